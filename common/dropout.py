@@ -1,0 +1,86 @@
+"""Counter-based dropout keep-mask: a pure function of (seed, b, h, i, j).
+
+Every platform must compute it bit-identically, so it uses only uint32 wrap-around
+multiplication, xor and logical shifts, which XLA, Pallas (TPU and GPU) and Triton
+all provide with the same semantics. No RNG state: the backward recomputes the same
+mask from the same coordinates, and the reference reproduces a kernel exactly.
+
+The mixer is the 32-bit finaliser of MurmurHash3 (a bijection with full avalanche);
+coordinates are folded in one at a time, each scaled by an odd constant first so that
+neighbouring indices land far apart. ``b`` is the global batch index, ``h`` the global
+*query* head index, ``i``/``j`` the query/key positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_FMIX_1 = 0x85EBCA6B
+_FMIX_2 = 0xC2B2AE35
+# Odd multipliers (golden-ratio and xxHash primes) per coordinate.
+_K_BATCH = 0x9E3779B1
+_K_HEAD = 0x85EBCA77
+_K_ROW = 0xC2B2AE3D
+_K_COL = 0x27D4EB2F
+
+
+def _u32(x):
+  x = jnp.asarray(x)
+  if x.dtype == jnp.uint32:
+    return x
+  if x.dtype == jnp.int32:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return x.astype(jnp.uint32)
+
+
+def fmix32(x):
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(_FMIX_1)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(_FMIX_2)
+  return x ^ (x >> 16)
+
+
+def row_key(seed, b, h, i):
+  """uint32 key of one query row; broadcasts over its arguments."""
+  x = fmix32(_u32(seed) ^ (_u32(b) * jnp.uint32(_K_BATCH)))
+  x = fmix32(x ^ (_u32(h) * jnp.uint32(_K_HEAD)))
+  return fmix32(x ^ (_u32(i) * jnp.uint32(_K_ROW)))
+
+
+def threshold(rate: float) -> int:
+  """Bits below this value are dropped: P(drop) = threshold / 2**32."""
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
+  return min(int(round(rate * 2.0**32)), 2**32 - 1)
+
+
+def keep_from_row_key(key, j, rate: float):
+  """Keep-mask for row keys ``key`` and key positions ``j`` (broadcast)."""
+  bits = fmix32(key ^ (_u32(j) * jnp.uint32(_K_COL)))
+  return bits >= jnp.uint32(threshold(rate))
+
+
+def keep(seed, b, h, i, j, rate: float):
+  """True where the probability at (b, h, i, j) survives dropout."""
+  return keep_from_row_key(row_key(seed, b, h, i), j, rate)
+
+
+def keep_numpy(seed: int, b, h, i, j, rate: float) -> np.ndarray:
+  """The same function in NumPy, for tests that must not trust JAX's version."""
+  def mix(x):
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(_FMIX_1)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(_FMIX_2)
+    return x ^ (x >> np.uint32(16))
+
+  u = lambda a: np.asarray(a).astype(np.uint32)
+  with np.errstate(over="ignore"):
+    x = mix(np.uint32(seed & 0xFFFFFFFF) ^ (u(b) * np.uint32(_K_BATCH)))
+    x = mix(x ^ (u(h) * np.uint32(_K_HEAD)))
+    x = mix(x ^ (u(i) * np.uint32(_K_ROW)))
+    bits = mix(x ^ (u(j) * np.uint32(_K_COL)))
+  return bits >= np.uint32(threshold(rate))

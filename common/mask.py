@@ -1,0 +1,111 @@
+"""What attends to what: the single definition every platform lowers.
+
+A query at row ``i`` may attend to key ``j`` iff *all* parts of the mask allow it:
+
+* the band: ``d = j - (i + Sk - Sq)`` is the offset from the bottom-right aligned
+  diagonal (FlashAttention-2 convention); ``left`` bounds it below (``d >= -left``),
+  ``right`` above (``d <= right``); ``None`` is unbounded. Causal is ``right = 0``.
+* segment ids: ``q_ids[b, i] == kv_ids[b, j]``;
+* a dense bool mask broadcastable to ``[B, Hq, Sq, Sk]`` (True = attend).
+
+Kernels evaluate :func:`band_allowed` on their block's index vectors and use
+:meth:`Band.kv_bounds` to skip whole blocks, so the reference and every kernel share
+one predicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Band:
+  """The static (shape-only) part of the mask: causal / sliding window.
+
+  Attributes:
+    seq_q, seq_k: sequence lengths; their difference aligns the diagonal.
+    left: how far left of the aligned diagonal a query sees (None = unbounded).
+    right: how far right of it (None = unbounded; 0 = causal).
+  """
+
+  seq_q: int
+  seq_k: int
+  left: int | None = None
+  right: int | None = None
+
+  @property
+  def offset(self) -> int:
+    return self.seq_k - self.seq_q
+
+  @property
+  def is_full(self) -> bool:
+    return self.left is None and self.right is None
+
+  @property
+  def causal(self) -> bool:
+    return self.right is not None and self.right <= 0
+
+  def kv_bounds(self, q_lo: int, q_hi: int) -> tuple[int, int]:
+    """Half-open key range ``[lo, hi)`` that rows ``[q_lo, q_hi)`` can reach.
+
+    Clipped to ``[0, seq_k]``; ``lo >= hi`` means the rows attend to nothing.
+    """
+    lo, hi = 0, self.seq_k
+    if self.left is not None:
+      lo = max(lo, q_lo + self.offset - self.left)
+    if self.right is not None:
+      hi = min(hi, q_hi + self.offset + self.right)
+    return lo, max(lo, hi)
+
+  def as_array(self):
+    """Dense ``[Sq, Sk]`` bool form of the band."""
+    i = jnp.arange(self.seq_q, dtype=jnp.int32)[:, None]
+    j = jnp.arange(self.seq_k, dtype=jnp.int32)[None, :]
+    return band_allowed(i, j, self)
+
+
+def band_allowed(i, j, band: Band):
+  """Elementwise band predicate on broadcastable row/column index arrays.
+
+  Returns a bool array, or None when the band allows everything (so kernels
+  can skip the work).
+  """
+  if band.is_full:
+    return jnp.ones(jnp.broadcast_shapes(jnp.shape(i), jnp.shape(j)), jnp.bool_)
+  d = j - (i + band.offset)
+  ok = None
+  if band.left is not None:
+    ok = d >= -band.left
+  if band.right is not None:
+    r = d <= band.right
+    ok = r if ok is None else ok & r
+  return ok
+
+
+def segment_allowed(q_ids, kv_ids):
+  """``[B, Sq]``, ``[B, Sk]`` int ids -> ``[B, Sq, Sk]`` bool."""
+  return q_ids[:, :, None] == kv_ids[:, None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """All parts of the mask together; ``as_array`` is the definition.
+
+  ``segment_ids`` is ``(q_ids [B, Sq], kv_ids [B, Sk])`` or None; ``dense`` is a
+  bool array of rank 4 broadcastable to ``[B, Hq, Sq, Sk]`` or None.
+  """
+
+  band: Band
+  segment_ids: tuple | None = None
+  dense: object | None = None
+
+  def as_array(self):
+    """Bool, broadcastable to ``[B, Hq, Sq, Sk]`` (rank 4)."""
+    out = self.band.as_array()[None, None]
+    if self.segment_ids is not None:
+      out = out & segment_allowed(*self.segment_ids)[:, None]
+    if self.dense is not None:
+      out = out & self.dense
+    return out

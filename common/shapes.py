@@ -1,0 +1,67 @@
+"""Named shape sets shared by tests, benchmarks and tuning."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+  name: str
+  batch: int
+  seq_q: int
+  seq_k: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  causal: bool = False
+
+  @property
+  def head_dim_v(self) -> int:
+    return self.head_dim
+
+
+def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384)):
+  out = []
+  for causal in (False, True):
+    for s in seqs:
+      out.append(Shape(name=f"B{tokens // s}-S{s // 1024}k-H{heads}-D{head_dim}"
+                       + ("-causal" if causal else ""),
+                       batch=tokens // s, seq_q=s, seq_k=s, heads_q=heads,
+                       heads_kv=heads, head_dim=head_dim, causal=causal))
+  return tuple(out)
+
+
+SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
+    # PERFORMANCE.md's standard set: B*S = 16k tokens, H = 16, D = 128.
+    "standard": _training(),
+    "head_dim": tuple(
+        Shape(name=f"B2-S8k-H{2048 // d}-D{d}" + ("-causal" if c else ""),
+              batch=2, seq_q=8192, seq_k=8192, heads_q=2048 // d,
+              heads_kv=2048 // d, head_dim=d, causal=c)
+        for d in (64, 128, 256) for c in (False, True)),
+    "gqa": tuple(
+        Shape(name=f"B2-S8k-H32:8-D128" + ("-causal" if c else ""), batch=2,
+              seq_q=8192, seq_k=8192, heads_q=32, heads_kv=8, head_dim=128,
+              causal=c) for c in (False, True)),
+    # CPU: fp32, B=1, H=8, D=64 (the xla_cpu issue's table).
+    "cpu": tuple(
+        Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,
+              seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)
+        for s in (512, 1024, 2048, 4096) for c in (False, True)),
+    "cpu_long": tuple(
+        Shape(name=f"B1-S{s // 1024}k-H8-D64" + ("-causal" if c else ""), batch=1,
+              seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)
+        for s in (8192, 16384, 32768, 65536) for c in (True,)),
+    "quick": tuple(
+        Shape(name=f"B1-S{s}-H4-D64" + ("-causal" if c else ""), batch=1,
+              seq_q=s, seq_k=s, heads_q=4, heads_kv=4, head_dim=64, causal=c)
+        for s in (512, 2048) for c in (False, True)),
+}
+
+
+def get(name: str) -> tuple[Shape, ...]:
+  try:
+    return SHAPE_SETS[name]
+  except KeyError:
+    raise ValueError(f"unknown shape set {name!r}; known: {sorted(SHAPE_SETS)}")

@@ -1,0 +1,103 @@
+"""Proves the conformance suite works, on a throwaway dense implementation.
+
+The implementation below is written independently of the reference (no shared
+helpers except canonicalisation) and is not a platform; it only shows that the
+suite passes a correct implementation, demands errors for declared gaps, and fails
+wrong ones.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashjax.common import conformance, dropout, spec as spec_lib
+
+
+def dense_attention(q, k, v, *, causal_shift=0, **kwargs):
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  if spec.num_sinks:
+    raise NotImplementedError("dense test implementation: no sinks")
+  if max(spec.head_dim, spec.head_dim_v) > 256:
+    raise NotImplementedError(f"dense test implementation: head dim {spec.head_dim}")
+  f32 = jnp.float32
+  g = spec.group_size
+  qf = ops.q.astype(f32).reshape(spec.batch, spec.seq_q, spec.heads_kv, g, -1)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, ops.k.astype(f32),
+                 precision="highest").reshape(spec.batch, spec.heads_q, spec.seq_q,
+                                              spec.seq_k) * spec.softmax_scale
+  if ops.bias is not None:
+    s = s + ops.bias
+  if spec.logits_soft_cap:
+    s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
+  i = jnp.arange(spec.seq_q)[:, None] + spec.seq_k - spec.seq_q
+  j = jnp.arange(spec.seq_k)[None, :]
+  ok = jnp.ones((spec.seq_q, spec.seq_k), bool)
+  if spec.band.left is not None:
+    ok &= j >= i - spec.band.left
+  if spec.band.right is not None:
+    ok &= j <= i + spec.band.right + causal_shift
+  ok = ok[None, None]
+  if ops.q_segment_ids is not None:
+    ok = ok & (ops.q_segment_ids[:, None, :, None] == ops.kv_segment_ids[:, None, None])
+  if ops.mask is not None:
+    ok = ok & ops.mask
+  s = jnp.where(ok, s, -1e30)
+  m = jnp.max(s, -1, keepdims=True)
+  p = jnp.where(ok, jnp.exp(s - m), 0)
+  l = p.sum(-1, keepdims=True)
+  lse = jnp.where(l[..., 0] > 0, (m + jnp.log(jnp.maximum(l, 1e-30)))[..., 0], -jnp.inf)
+  p = p / jnp.maximum(l, 1e-30)
+  if spec.dropout_rate:
+    bi, hi, qi, ki = jnp.ix_(*(jnp.arange(n) for n in p.shape))
+    keep = dropout.keep(ops.dropout_seed, bi, hi, qi, ki, spec.dropout_rate)
+    p = jnp.where(keep, p / (1 - spec.dropout_rate), 0)
+  vf = jnp.repeat(ops.v.astype(f32), g, axis=2)
+  out = jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision="highest").astype(q.dtype)
+  return (out, lse) if spec.return_lse else out
+
+
+class TestDenseSelfTest(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(
+      name="dense-selftest",
+      features=frozenset(conformance.FEATURES) - {"sinks"},
+      head_dim_ok=lambda d: d <= 256, max_seq_len=1000, hypothesis_examples=8)
+
+  def attention(self, q, k, v, **kwargs):
+    return dense_attention(q, k, v, **kwargs)
+
+
+class _Broken(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(name="broken")
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def attention(self, q, k, v, **kwargs):
+    return self.fn(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("name,fn,case", [
+    ("causal off by one", lambda *a, **kw: dense_attention(*a, causal_shift=1, **kw),
+     conformance.Case(causal=True)),
+    ("wrong scale", lambda q, k, v, **kw: dense_attention(
+        q, k, v, **{**kw, "softmax_scale": 0.1}), conformance.Case()),
+    ("ignores dropout seed", lambda q, k, v, **kw: dense_attention(
+        q, k, v, **{**kw, "dropout_seed": 0}), conformance.Case(dropout_rate=0.3)),
+    ("lse off", lambda *a, **kw: jax.tree.map(lambda x: x + 1e-3 * (x.ndim == 3),
+                                              dense_attention(*a, **kw)),
+     conformance.Case()),
+    ("claims sinks", dense_attention, conformance.Case(sinks=1)),
+])
+def test_suite_fails_wrong_implementations(name, fn, case):
+  with pytest.raises((AssertionError, NotImplementedError)):
+    _Broken(fn).check(case)
+
+
+def test_suite_demands_error_for_declared_gap():
+  suite = _Broken(dense_attention)
+  object.__setattr__(suite, "CAPS", conformance.Capabilities(
+      name="no-bias", features=frozenset(conformance.FEATURES) - {"bias"}))
+  # dense_attention does bias, so a platform claiming it does not must fail.
+  with pytest.raises(BaseException, match="DID NOT RAISE"):
+    suite.check(conformance.Case(bias_shape=(-1, -1)))

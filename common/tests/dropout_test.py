@@ -1,0 +1,62 @@
+"""The dropout hash: bit-identical in JAX and NumPy, unbiased, independent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashjax.common import dropout
+
+
+def _grid(b=2, h=3, sq=64, sk=96):
+  return np.meshgrid(np.arange(b), np.arange(h), np.arange(sq), np.arange(sk),
+                     indexing="ij")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 - 1, -7])
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 0.9])
+def test_jax_matches_numpy_bit_for_bit(seed, rate):
+  b, h, i, j = _grid()
+  jseed = jnp.asarray(seed, jnp.int32)
+  got = jax.jit(lambda s: dropout.keep(s, b, h, i, j, rate))(jseed)
+  np.testing.assert_array_equal(np.asarray(got), dropout.keep_numpy(seed, b, h, i, j, rate))
+
+
+def test_row_key_factorisation_is_the_same_function():
+  b, h, i, j = _grid()
+  key = dropout.row_key(jnp.uint32(5), b[..., :1], h[..., :1], i[..., :1])
+  np.testing.assert_array_equal(dropout.keep_from_row_key(key, j, 0.3),
+                                dropout.keep(jnp.uint32(5), b, h, i, j, 0.3))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.7])
+def test_drop_fraction_matches_rate(rate):
+  b, h, i, j = _grid(2, 4, 128, 128)
+  kept = np.asarray(dropout.keep(jnp.uint32(77), b, h, i, j, rate)).mean()
+  # 131072 Bernoulli draws: 5 sigma is under 0.007.
+  assert abs((1 - kept) - rate) < 0.007
+
+
+def test_coordinates_and_seed_all_matter():
+  b, h, i, j = _grid(1, 1, 64, 64)
+  base = np.asarray(dropout.keep(jnp.uint32(1), b, h, i, j, 0.5))
+  for other in (dropout.keep(jnp.uint32(2), b, h, i, j, 0.5),
+                dropout.keep(jnp.uint32(1), b + 1, h, i, j, 0.5),
+                dropout.keep(jnp.uint32(1), b, h + 1, i, j, 0.5),
+                dropout.keep(jnp.uint32(1), b, h, i.T, j.T, 0.5)):
+    agree = (np.asarray(other) == base).mean()
+    assert 0.45 < agree < 0.55  # independent fair coins agree half the time
+
+
+def test_neighbouring_columns_are_uncorrelated():
+  b, h, i, j = _grid(1, 1, 256, 257)
+  x = np.asarray(dropout.keep(jnp.uint32(3), b, h, i, j, 0.5), np.float64)[0, 0]
+  c = np.corrcoef(x[:, :-1].ravel(), x[:, 1:].ravel())[0, 1]
+  assert abs(c) < 0.02
+
+
+def test_rate_zero_keeps_everything_and_bad_rate_raises():
+  b, h, i, j = _grid(1, 1, 8, 8)
+  assert np.asarray(dropout.keep(jnp.uint32(0), b, h, i, j, 0.0)).all()
+  with pytest.raises(ValueError, match="dropout_rate"):
+    dropout.threshold(1.0)
