@@ -59,6 +59,16 @@ class Band:
       hi = min(hi, q_hi + self.offset + self.right)
     return lo, max(lo, hi)
 
+  def q_bounds(self, k_lo: int, k_hi: int) -> tuple[int, int]:
+    """Half-open query range ``[lo, hi)`` that can reach keys ``[k_lo, k_hi)``
+    (the transpose of :meth:`kv_bounds`, for backward passes over key blocks)."""
+    lo, hi = 0, self.seq_q
+    if self.right is not None:
+      lo = max(lo, k_lo - self.offset - self.right)
+    if self.left is not None:
+      hi = min(hi, k_hi - self.offset + self.left)
+    return lo, max(lo, hi)
+
   def as_array(self):
     """Dense ``[Sq, Sk]`` bool form of the band."""
     i = jnp.arange(self.seq_q, dtype=jnp.int32)[:, None]

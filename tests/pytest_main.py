@@ -7,7 +7,7 @@ import pytest
 
 if __name__ == "__main__":
   path = sys.argv[1]
-  args = [path, "-q", "--import-mode=importlib", "-p", "no:cacheprovider",
+  args = [path, "-q", "-p", "no:cacheprovider",
           "-o", "python_files=*_test.py"]
   # Bazel sets this when it wants a JUnit report.
   if os.environ.get("XML_OUTPUT_FILE"):

@@ -27,6 +27,19 @@ def test_kv_bounds_cover_exactly_the_dense_band(band):
 
 
 @pytest.mark.parametrize("band", BANDS, ids=str)
+def test_q_bounds_cover_exactly_the_dense_band(band):
+  dense = np.asarray(band.as_array())
+  for k_lo in range(band.seq_k):
+    for k_hi in range(k_lo + 1, min(band.seq_k, k_lo + 5) + 1):
+      lo, hi = band.q_bounds(k_lo, k_hi)
+      rows = np.flatnonzero(dense[:, k_lo:k_hi].any(axis=1))
+      if rows.size == 0:
+        assert hi <= lo
+      else:
+        assert (lo, hi) == (rows[0], rows[-1] + 1)
+
+
+@pytest.mark.parametrize("band", BANDS, ids=str)
 def test_attended_pairs_counts_the_dense_band(band):
   assert flops.attended_pairs(band) == int(np.asarray(band.as_array()).sum())
 

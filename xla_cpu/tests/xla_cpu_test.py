@@ -1,15 +1,27 @@
-"""Until kernels land, the platform must refuse every call with a reason."""
+"""The conformance suite on xla_cpu, plus what is specific to it."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashjax import xla_cpu
-from flashjax.common import spec
+from flashjax.common import conformance, reference, tolerances
 
 
-def test_refuses_with_reason():
-  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="xla_cpu"):
-    xla_cpu.flash_attention(q, q, q)
-  _, s = spec.canonicalize(q, q, q)
-  assert "xla_cpu" in xla_cpu.supported(s)
+class TestXlaCpu(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(name="xla_cpu")
+
+  def attention(self, q, k, v, **kwargs):
+    return xla_cpu.flash_attention(q, k, v, **kwargs)
+
+
+class TestXlaCpuSmallBlocks(conformance.ConformanceSuite):
+  """Many blocks per sequence: exercises skipping and partial tail blocks."""
+
+  CAPS = conformance.Capabilities(name="xla_cpu[16x32]", max_seq_len=1000,
+                                  hypothesis_examples=8)
+
+  def attention(self, q, k, v, **kwargs):
+    return xla_cpu.flash_attention(
+        q, k, v, config=xla_cpu.XlaConfig(block_q=16, block_kv=32), **kwargs)

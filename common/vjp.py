@@ -1,0 +1,57 @@
+"""One ``custom_vjp`` wrapper for every platform.
+
+A platform supplies ``forward(ops, spec, config) -> (out, lse)`` and
+``backward(ops, spec, config, out, lse, do, dlse) -> Operands`` of cotangents
+(None where an operand is not differentiable or absent). The static half (spec and
+config) travels as one hashable ``nondiff`` argument. Residuals are the operands,
+the output and the lse (O(S) memory); they carry checkpoint names so that
+``jax.checkpoint`` policies can save or recompute them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from .spec import AttentionSpec, Operands
+
+OUT_NAME = "flashjax_out"
+LSE_NAME = "flashjax_lse"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, ops: Operands):
+  forward, _, spec, config = static
+  return forward(ops, spec, config)
+
+
+def _fwd(static, ops):
+  forward, _, spec, config = static
+  out, lse = forward(ops, spec, config)
+  out = checkpoint_name(out, OUT_NAME)
+  lse = checkpoint_name(lse, LSE_NAME)
+  return (out, lse), (ops, out, lse)
+
+
+def _bwd(static, res, cotangents):
+  _, backward, spec, config = static
+  ops, out, lse = res
+  do, dlse = cotangents
+  grads = backward(ops, spec, config, out, lse, do, dlse)
+  keep = {"q", "k", "v", "bias", "sinks"}
+  return (Operands(*(g if name in keep else None
+                     for name, g in zip(Operands._fields, grads))),)
+
+
+_attention.defvjp(_fwd, _bwd)
+
+
+def attention(forward, backward, ops: Operands, spec: AttentionSpec, config):
+  """``(out, lse)`` with the platform's forward, differentiated by its backward.
+
+  ``forward`` and ``backward`` must be module-level functions (hashable, stable)
+  so that jit caches hit.
+  """
+  return _attention((forward, backward, spec, config), ops)

@@ -1,0 +1,119 @@
+"""Backward: kv blocks outside, q blocks inside (FlashAttention-2, Alg. 2).
+
+Probabilities are recomputed block by block from the saved lse, so memory stays
+O(S). dk/dv of one kv block accumulate in the inner loop's carry; dq (and dbias)
+accumulate into full-size buffers carried by the outer loop, updated in place.
+With ``dlse`` the softmax Jacobian gains one term:
+``ds = p * (dp - delta)`` with ``delta = rowsum(do * o) - dlse``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..common.spec import AttentionSpec, Operands
+from . import blocks
+from .config import XlaConfig
+
+
+def _reduce_to(x, shape):
+  """Sums a block over the axes where the bias/mask layout is broadcast."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n > 1)
+  return x.sum(axes, keepdims=True) if axes else x
+
+
+def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do,
+             dlse) -> Operands:
+  lay = blocks.make_layout(spec, config)
+  prep = blocks.prepare(ops, lay)
+  acc_dt = lay.acc_dtype
+  b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
+  q_lo, q_hi = (jnp.asarray(x) for x in lay.q_block_ranges())
+  seg = blocks.segment_ranges(prep, lay)
+
+  o = blocks.to_q_layout(out.astype(acc_dt), lay)
+  do = blocks.to_q_layout(do.astype(acc_dt), lay)
+  to_rows = lambda x: blocks._pad_axis(
+      x.astype(acc_dt).reshape(b, hkv, g, spec.seq_q), 3, lay.seq_q_padded)
+  lse = to_rows(lse)
+  delta = (o * do).sum(-1) - to_rows(dlse)
+  # Fully masked rows have lse = -inf: +inf makes every p there exactly 0.
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+  keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+  scale = spec.softmax_scale
+
+  def kv_block(j, carry):
+    dq, dbias = carry
+    k_blk = blocks.slice_kv(prep.k, lay, j)
+    v_blk = blocks.slice_kv(prep.v, lay, j)
+
+    def step(i, inner):
+      dk, dv, dq, dbias = inner
+      q_blk = blocks.slice_q(prep.q, lay, i)
+      do_blk = blocks.slice_q(do, lay, i)
+      s, t = blocks.logits(prep, lay, q_blk, k_blk, i, j)
+      p = jnp.exp(s - blocks.slice_q(lse_safe, lay, i)[..., None])
+      ok = blocks.allowed(prep, lay, i, j)
+      if ok is not None:
+        p = jnp.where(ok, p, 0.0)
+      dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk.astype(acc_dt),
+                      precision=lay.precision)
+      pd = p
+      if spec.dropout_rate > 0:
+        keep = blocks.dropout_keep(prep, lay, i, j)
+        pd = jnp.where(keep, p * keep_scale, 0.0)
+        dp = jnp.where(keep, dp * keep_scale, 0.0)
+      dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", pd, do_blk, precision=lay.precision)
+      ds = p * (dp - blocks.slice_q(delta, lay, i)[..., None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+      if dbias is not None:
+        db = _reduce_to(ds, dbias.shape)
+        starts = [0, 0, 0, i * lay.block_q if dbias.shape[3] > 1 else 0,
+                  j * lay.block_kv if dbias.shape[4] > 1 else 0]
+        old = jax.lax.dynamic_slice(dbias, starts, db.shape)
+        dbias = jax.lax.dynamic_update_slice(dbias, old + db, starts)
+      ds_c = ds.astype(lay.compute_dtype)
+      dq_blk = jnp.einsum("bhgqk,bhkd->bhgqd", ds_c, k_blk, precision=lay.precision,
+                          preferred_element_type=acc_dt) * scale
+      start = i * lay.block_q
+      old = jax.lax.dynamic_slice_in_dim(dq, start, lay.block_q, 3)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, old + dq_blk, start, 3)
+      dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds_c, q_blk, precision=lay.precision,
+                           preferred_element_type=acc_dt) * scale
+      return dk, dv, dq, dbias
+
+    def maybe_step(i, inner):
+      if seg is None:
+        return step(i, inner)
+      return jax.lax.cond(blocks.blocks_may_interact(seg, i, j),
+                          lambda c: step(i, c), lambda c: c, inner)
+
+    init = (jnp.zeros((b, hkv, lay.block_kv, spec.head_dim), acc_dt),
+            jnp.zeros((b, hkv, lay.block_kv, spec.head_dim_v), acc_dt), dq, dbias)
+    dk, dv, dq, dbias = jax.lax.fori_loop(q_lo[j], q_hi[j], maybe_step, init)
+    return (dq, dbias), (dk, dv)
+
+  dq0 = jnp.zeros((b, hkv, g, lay.seq_q_padded, spec.head_dim), acc_dt)
+  db0 = None if prep.bias is None else jnp.zeros(prep.bias.shape, acc_dt)
+  (dq, dbias), (dk, dv) = jax.lax.scan(
+      lambda c, j: kv_block(j, c), (dq0, db0), jnp.arange(lay.num_kv_blocks))
+  # [nk, B, Hkv, bk, X] -> [B, Hkv, Skp, X]
+  dk = jnp.moveaxis(dk, 0, 2).reshape(b, hkv, lay.seq_k_padded, -1)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(b, hkv, lay.seq_k_padded, -1)
+
+  dsinks = None
+  if spec.num_sinks:
+    sinks = ops.sinks.astype(acc_dt).reshape(hkv, g, spec.num_sinks)
+    p_sink = jnp.exp(sinks[None, :, :, None, :] - lse_safe[..., None])
+    valid = (jnp.arange(lay.seq_q_padded) < spec.seq_q)[:, None]
+    dsinks = -jnp.sum(jnp.where(valid, p_sink * delta[..., None], 0.0), (0, 3))
+    dsinks = dsinks.reshape(ops.sinks.shape).astype(ops.sinks.dtype)
+  return Operands(
+      q=blocks.from_q_layout(dq, lay).astype(ops.q.dtype),
+      k=blocks.from_kv_layout(dk, lay).astype(ops.k.dtype),
+      v=blocks.from_kv_layout(dv, lay).astype(ops.v.dtype),
+      bias=None if dbias is None else blocks.from_grouped(
+          dbias, lay, ops.bias.shape).astype(ops.bias.dtype),
+      sinks=dsinks)

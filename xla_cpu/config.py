@@ -1,0 +1,45 @@
+"""Tuning configuration of the xla_cpu platform."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaConfig:
+  """Block sizes of the online-softmax loops (forward and backward).
+
+  Attributes:
+    block_q: query rows per block (clipped to Sq).
+    block_kv: keys per block (clipped to Sk).
+    compute_dtype: dtype of the block matmuls; None picks fp32 (fp64 for fp64
+      inputs) on CPU and the input dtype with fp32 accumulation elsewhere.
+  """
+
+  block_q: int = 256
+  block_kv: int = 512
+  compute_dtype: str | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if self.compute_dtype not in (None, "float32", "float64", "bfloat16", "float16"):
+      raise ValueError(f"compute_dtype must be None or a float dtype name, got "
+                       f"{self.compute_dtype!r}")
+
+
+def default_config(spec, backend: str | None = None) -> XlaConfig:
+  """Heuristic per backend. On CPU, blocks of 256 x 512 fp32 scores (512 KiB per
+  head) stay in L2 across the softmax and both matmuls of one step."""
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return XlaConfig(block_q=256, block_kv=512)
+  # Accelerators: larger blocks amortise loop overhead; matmuls stay in the input
+  # dtype with fp32 accumulation.
+  return XlaConfig(block_q=512, block_kv=1024,
+                   compute_dtype=None if spec.dtype in ("float32", "float64")
+                   else spec.dtype)

@@ -1,0 +1,75 @@
+"""Forward: FlashAttention-2 loop order (q blocks outside, kv blocks inside) with
+online softmax, skipping kv blocks outside the band and blocks whose segment ids
+cannot match."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..common.spec import AttentionSpec, Operands
+from . import blocks
+from .config import XlaConfig
+
+
+def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
+  """Returns ``out [B, Sq, Hq, Dv]`` (q's dtype) and ``lse [B, Hq, Sq]`` (fp32)."""
+  lay = blocks.make_layout(spec, config)
+  prep = blocks.prepare(ops, lay)
+  kv_lo, kv_hi = (jnp.asarray(x) for x in lay.kv_block_ranges())
+  seg = blocks.segment_ranges(prep, lay)
+  b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
+  acc_dt = lay.acc_dtype
+
+  def q_block(i):
+    q_blk = blocks.slice_q(prep.q, lay, i)
+
+    def step(j, carry):
+      m, l, acc = carry
+      s, _ = blocks.logits(prep, lay, q_blk, blocks.slice_kv(prep.k, lay, j), i, j)
+      ok = blocks.allowed(prep, lay, i, j)
+      if ok is not None:
+        s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(-1))
+      # A row with nothing allowed so far keeps m = -inf; shift by 0 instead.
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      l = l * alpha + p.sum(-1)
+      if spec.dropout_rate > 0:
+        p = jnp.where(blocks.dropout_keep(prep, lay, i, j), p, 0.0)
+      pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(lay.compute_dtype),
+                      blocks.slice_kv(prep.v, lay, j), precision=lay.precision,
+                      preferred_element_type=acc_dt)
+      return m_new, l, acc * alpha[..., None] + pv
+
+    def maybe_step(j, carry):
+      if seg is None:
+        return step(j, carry)
+      return jax.lax.cond(blocks.blocks_may_interact(seg, i, j),
+                          lambda c: step(j, c), lambda c: c, carry)
+
+    init = (jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
+            jnp.zeros((b, hkv, g, lay.block_q), acc_dt),
+            jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt))
+    m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], maybe_step, init)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    if spec.dropout_rate > 0:
+      out = out * (1.0 / (1.0 - spec.dropout_rate))
+    return out, lse
+
+  out, lse = jax.lax.map(q_block, jnp.arange(lay.num_q_blocks))
+  # [nq, B, Hkv, G, bq, X] -> [B, Hkv, G, Sqp, X]
+  out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, lay.seq_q_padded, -1)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, lay.seq_q_padded)
+  if spec.num_sinks:
+    sinks = ops.sinks.astype(acc_dt).reshape(hkv, g, spec.num_sinks)
+    lse_sinks = jax.scipy.special.logsumexp(sinks, axis=-1)[None, :, :, None]
+    total = jnp.logaddexp(lse, lse_sinks)
+    # Sinks only enlarge the denominator: rescale by exp(lse_rows - lse_total).
+    out = out * jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)[..., None]
+    lse = total
+  out = blocks.from_q_layout(out, lay).astype(ops.q.dtype)
+  lse = lse[..., :spec.seq_q].reshape(b, spec.heads_q, spec.seq_q)
+  return out, lse  # fp32 (fp64 for fp64 inputs)
