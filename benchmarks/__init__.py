@@ -1,0 +1,1 @@
+"""The benchmark CLI: ``python -m flashjax.benchmarks --help``."""

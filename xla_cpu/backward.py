@@ -48,13 +48,13 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
     k_blk = blocks.slice_kv(prep.k, lay, j)
     v_blk = blocks.slice_kv(prep.v, lay, j)
 
-    def step(i, inner):
+    def step(i, inner, positional):
       dk, dv, dq, dbias = inner
       q_blk = blocks.slice_q(prep.q, lay, i)
       do_blk = blocks.slice_q(do, lay, i)
       s, t = blocks.logits(prep, lay, q_blk, k_blk, i, j)
       p = jnp.exp(s - blocks.slice_q(lse_safe, lay, i)[..., None])
-      ok = blocks.allowed(prep, lay, i, j)
+      ok = blocks.allowed(prep, lay, i, j, positional)
       if ok is not None:
         p = jnp.where(ok, p, 0.0)
       dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk.astype(acc_dt),
@@ -85,10 +85,8 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
       return dk, dv, dq, dbias
 
     def maybe_step(i, inner):
-      if seg is None:
-        return step(i, inner)
-      return jax.lax.cond(blocks.blocks_may_interact(seg, i, j),
-                          lambda c: step(i, c), lambda c: c, inner)
+      return blocks.for_each_block(lambda c, pos: step(i, c, pos), prep, lay, seg,
+                                   i, j, inner)
 
     init = (jnp.zeros((b, hkv, lay.block_kv, spec.head_dim), acc_dt),
             jnp.zeros((b, hkv, lay.block_kv, spec.head_dim_v), acc_dt), dq, dbias)

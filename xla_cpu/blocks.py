@@ -63,6 +63,21 @@ class Layout:
     return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
 
 
+  def partial_blocks(self) -> np.ndarray:
+    """``[nq, nk]`` bool: True where the band or the key tail cuts the block, so
+    its elements need the positional mask; interior blocks skip it."""
+    out = np.zeros((self.num_q_blocks, self.num_kv_blocks), bool)
+    band = self.spec.band
+    for i in range(self.num_q_blocks):
+      r0, r1 = i * self.block_q, min((i + 1) * self.block_q, self.spec.seq_q) - 1
+      hi_first = band.kv_bounds(r0, r0 + 1)[1]
+      lo_last = band.kv_bounds(r1, r1 + 1)[0]
+      for j in range(self.num_kv_blocks):
+        c0, c1 = j * self.block_kv, (j + 1) * self.block_kv
+        out[i, j] = c1 > self.spec.seq_k or c0 < lo_last or c1 > hi_first
+    return out
+
+
 def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
   if config.compute_dtype is not None:
     dtype = jnp.dtype(config.compute_dtype)
@@ -191,16 +206,17 @@ def logits(prep: Prepared, lay: Layout, q_blk, k_blk, i, j):
   return s, t
 
 
-def allowed(prep: Prepared, lay: Layout, i, j):
+def allowed(prep: Prepared, lay: Layout, i, j, positional: bool = True):
   """Bool mask of block (i, j), broadcastable to ``[B, Hkv, G, bq, bk]``, or None
-  when everything in every block is allowed."""
+  when everything is allowed. ``positional=False`` leaves out the band and the
+  key tail (for blocks that ``partial_blocks`` marks interior)."""
   spec = lay.spec
   rows = i * lay.block_q + jnp.arange(lay.block_q, dtype=jnp.int32)[:, None]
   cols = j * lay.block_kv + jnp.arange(lay.block_kv, dtype=jnp.int32)[None, :]
   ok = None
-  if not spec.band.is_full:
+  if positional and not spec.band.is_full:
     ok = band_allowed(rows, cols, spec.band)
-  if lay.seq_k_padded != spec.seq_k:
+  if positional and lay.seq_k_padded != spec.seq_k:
     tail = cols < spec.seq_k
     ok = tail if ok is None else ok & tail
   if ok is not None:
@@ -244,6 +260,24 @@ def segment_ranges(prep: Prepared, lay: Layout):
                 < lay.spec.seq_q, q, prep.q_ids[:, lay.spec.seq_q - 1, None, None])
   kv = kv.reshape(b, lay.num_kv_blocks, lay.block_kv)
   return (q.min(-1), q.max(-1)), (kv.min(-1), kv.max(-1))
+
+
+def for_each_block(step, prep: Prepared, lay: Layout, seg, i, j, carry):
+  """Runs ``step(carry, positional)`` on block (i, j): skipped when segment ranges
+  cannot meet, and with the positional mask only where the block needs it."""
+  partial = lay.partial_blocks()
+
+  def run(c):
+    if not partial.any():
+      return step(c, False)
+    if partial.all():
+      return step(c, True)
+    return jax.lax.cond(jnp.asarray(partial)[i, j], lambda c: step(c, True),
+                        lambda c: step(c, False), c)
+
+  if seg is None:
+    return run(carry)
+  return jax.lax.cond(blocks_may_interact(seg, i, j), run, lambda c: c, carry)
 
 
 def blocks_may_interact(ranges, i, j):

@@ -18,8 +18,8 @@ class XlaConfig:
       inputs) on CPU and the input dtype with fp32 accumulation elsewhere.
   """
 
-  block_q: int = 256
-  block_kv: int = 512
+  block_q: int = 512
+  block_kv: int = 256
   compute_dtype: str | None = None
 
   def __post_init__(self):
@@ -33,11 +33,16 @@ class XlaConfig:
 
 
 def default_config(spec, backend: str | None = None) -> XlaConfig:
-  """Heuristic per backend. On CPU, blocks of 256 x 512 fp32 scores (512 KiB per
-  head) stay in L2 across the softmax and both matmuls of one step."""
+  """Heuristic per backend.
+
+  On CPU, 512 x 256 blocks were fastest of {256, 512} x {256, 512} and 128 x 1024
+  (2-core x86 CI machine, fp32, H=8, D=64, S=2048/4096: benchmarks/NOTES.md);
+  smaller blocks would skip more of a causal problem but each step runs its
+  matmuls less efficiently.
+  """
   backend = backend or jax.default_backend()
   if backend == "cpu":
-    return XlaConfig(block_q=256, block_kv=512)
+    return XlaConfig(block_q=512, block_kv=256)
   # Accelerators: larger blocks amortise loop overhead; matmuls stay in the input
   # dtype with fp32 accumulation.
   return XlaConfig(block_q=512, block_kv=1024,

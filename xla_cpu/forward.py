@@ -24,10 +24,10 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   def q_block(i):
     q_blk = blocks.slice_q(prep.q, lay, i)
 
-    def step(j, carry):
+    def step(j, carry, positional):
       m, l, acc = carry
       s, _ = blocks.logits(prep, lay, q_blk, blocks.slice_kv(prep.k, lay, j), i, j)
-      ok = blocks.allowed(prep, lay, i, j)
+      ok = blocks.allowed(prep, lay, i, j, positional)
       if ok is not None:
         s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(-1))
@@ -44,10 +44,8 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
       return m_new, l, acc * alpha[..., None] + pv
 
     def maybe_step(j, carry):
-      if seg is None:
-        return step(j, carry)
-      return jax.lax.cond(blocks.blocks_may_interact(seg, i, j),
-                          lambda c: step(j, c), lambda c: c, carry)
+      return blocks.for_each_block(lambda c, pos: step(j, c, pos), prep, lay, seg,
+                                   i, j, carry)
 
     init = (jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
             jnp.zeros((b, hkv, g, lay.block_q), acc_dt),

@@ -1,0 +1,127 @@
+"""``python -m flashjax.benchmarks``: every implementation side by side.
+
+Runs forward, backward (time of forward+backward minus forward, as in
+PERFORMANCE.md) and forward+backward of the chosen implementations, one process,
+one device, on named shape sets from ``flashjax.common.shapes``; checks each
+implementation against the reference on a small slice first (a wrong one is
+flagged, not ranked); prints a table and writes CSV, Markdown and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from flashjax.common import shapes as shapes_lib
+
+from . import impls, report, timing
+
+
+def _parser():
+  p = argparse.ArgumentParser(prog="python -m flashjax.benchmarks",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--shapes", help="comma-separated shape sets "
+                 f"({', '.join(shapes_lib.SHAPE_SETS)}); default: standard on "
+                 "GPU, cpu on CPU")
+  p.add_argument("--impls", help="comma-separated implementations "
+                 f"({', '.join(impls.IMPLS)}); default: all for this backend")
+  p.add_argument("--directions", default="fwd,bwd,fwd_bwd")
+  p.add_argument("--dtype", help="default bfloat16 on GPU/TPU, float32 on CPU")
+  p.add_argument("--baseline", help="default jax-cudnn on GPU, jax-xla elsewhere")
+  p.add_argument("--iters", type=int, help="calls per timing sample")
+  p.add_argument("--repeats", type=int, help="timing samples (median taken)")
+  p.add_argument("--memory-sweep", default="",
+                 help="comma-separated S: compiled fwd+bwd memory of xla and "
+                 "jax-xla at B=1, H=8, D=64 (compile only)")
+  p.add_argument("--quick", action="store_true",
+                 help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
+  p.add_argument("--out", help="output folder (default benchmarks/results/<time>)")
+  p.add_argument("--no-plot", action="store_true")
+  return p
+
+
+def _progress(i, n, label, t0):
+  bar = "#" * int(30 * i / n)
+  sys.stderr.write(f"\r[{bar:<30}] {i}/{n} {time.time() - t0:5.0f}s {label[:60]:<60}")
+  sys.stderr.flush()
+
+
+def memory_sweep(seqs, dtype):
+  out = []
+  for name in ("xla", "jax-xla"):
+    fn, reason = impls.build(name)
+    if fn is None:
+      continue
+    for s in seqs:
+      args = [jax.ShapeDtypeStruct((1, s, 8, 64), dtype)] * 4
+      _, fwd_bwd = timing.functions(fn, False)
+      out.append({"impl": name, "seq": s, "mib": timing.compiled_mib(fwd_bwd, args)})
+  return out
+
+
+def main(argv=None):
+  args = _parser().parse_args(argv)
+  backend = jax.default_backend()
+  on_cpu = backend == "cpu"
+  if args.quick:
+    args.shapes = args.shapes or "quick"
+    args.iters = args.iters or 1
+    args.repeats = args.repeats or 3
+    args.memory_sweep = args.memory_sweep or "1024,4096,16384"
+    args.impls = args.impls or ",".join(
+        n for n in ("xla", "jax-xla") if on_cpu) or None
+  shape_sets = (args.shapes or ("cpu" if on_cpu else "standard")).split(",")
+  names = args.impls.split(",") if args.impls else impls.default_names(backend)
+  dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+  baseline = args.baseline or ("jax-xla" if on_cpu else "jax-cudnn")
+  iters = args.iters or (2 if on_cpu else 20)
+  repeats = args.repeats or (3 if on_cpu else 5)
+  directions = args.directions.split(",")
+  for d in directions:
+    if d not in timing.DIRECTIONS:
+      raise SystemExit(f"unknown direction {d!r}; known: {timing.DIRECTIONS}")
+  shapes = [s for name in shape_sets for s in shapes_lib.get(name)]
+  env = report.environment()
+  print(f"device: {env['device']} ({backend}), jax {env['jax']}, {env['date']}, "
+        f"dtype {dtype.name}, baseline {baseline}", flush=True)
+
+  built, skipped = {}, {}
+  for n in names:
+    fn, reason = impls.build(n)
+    if fn is None:
+      skipped[n] = reason
+    else:
+      built[n] = fn
+  rows, t0 = [], time.time()
+  work = [(n, s) for s in shapes for n in built]
+  for i, (n, s) in enumerate(work):
+    _progress(i, len(work), f"{n} {s.name}", t0)
+    rows.extend(timing.run_row(n, built[n], s, dtype, directions, iters=iters,
+                               repeats=repeats))
+  _progress(len(work), len(work), "done", t0)
+  sys.stderr.write("\n")
+  report.set_ratios(rows, baseline)
+  sweep = []
+  if args.memory_sweep:
+    sweep = memory_sweep([int(x) for x in args.memory_sweep.split(",")], dtype)
+
+  print(report.table(rows, baseline))
+  for n, reason in skipped.items():
+    print(f"not run: {n}: {reason}")
+  if sweep:
+    print("\nCompiled memory of forward+backward (B=1, H=8, D=64), MiB:")
+    print(report.memory_table(sweep))
+  out_dir = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                     time.strftime("%Y%m%d-%H%M%S"))
+  title = f"flashjax benchmark: {', '.join(shape_sets)} ({dtype.name})"
+  paths = report.write_all(rows, sweep, env, out_dir, baseline, title,
+                           plot=not args.no_plot)
+  print("wrote " + ", ".join(paths.values()))
+  wrong = [r for r in rows if r.status != "ok"]
+  return 1 if any(r.impl in ("xla", "pallas", "pallas-triton", "triton")
+                  for r in wrong) else 0

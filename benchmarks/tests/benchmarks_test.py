@@ -1,0 +1,72 @@
+"""The benchmark tool itself: FLOP counts, the wrong-output flag, reports."""
+
+import csv
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from flashjax.benchmarks import cli, impls, report, timing
+from flashjax.common.shapes import Shape, get
+
+SMALL = Shape(name="t", batch=1, seq_q=256, seq_k=256, heads_q=2, heads_kv=2,
+              head_dim=32)
+
+
+def test_flops_follow_performance_md():
+  s = get("standard")[0]  # B8 S2k H16 D128 non-causal
+  assert timing.shape_flops(s, "fwd") == 4 * 8 * 16 * 2048 * 2048 * 128
+  assert timing.shape_flops(s, "bwd") == 2.5 * timing.shape_flops(s, "fwd")
+  causal = get("standard")[3]
+  assert causal.causal and causal.seq_q == 2048
+  # Exact pair count: half the square plus the diagonal.
+  assert timing.shape_flops(causal, "fwd") == 4 * 8 * 16 * 128 * (2048 * 2049 // 2)
+
+
+def test_wrong_implementation_is_flagged_not_ranked():
+  def wrong(q, k, v, causal):
+    return impls.IMPLS["xla"].build()(q, k, v, not causal)  # the other mask
+  rows = timing.run_row("wrong", wrong, Shape(**{**SMALL.__dict__, "causal": True}),
+                        jnp.float32, ["fwd"], iters=1, repeats=1)
+  assert rows[0].status.startswith("WRONG") and rows[0].ms is None
+  report.set_ratios(rows, "wrong")
+  assert rows[0].ratio is None
+
+
+def test_failing_implementation_is_reported():
+  def broken(q, k, v, causal):
+    raise RuntimeError("no kernel here")
+  rows = timing.run_row("broken", broken, SMALL, jnp.float32, ["fwd"], iters=1,
+                        repeats=1)
+  assert "no kernel here" in rows[0].status
+
+
+def test_unavailable_peer_has_a_reason():
+  fn, reason = impls.build("jax-cudnn")  # GPU only
+  assert fn is None and "backend" in reason
+  fn, reason = impls.build("nonexistent")
+  assert fn is None and "unknown" in reason
+
+
+def test_cli_writes_table_csv_markdown_and_plot(tmp_path, capsys):
+  rc = cli.main(["--shapes", "quick", "--impls", "xla,jax-xla,jax-cudnn",
+                 "--directions", "fwd,bwd", "--iters", "1", "--repeats", "1",
+                 "--memory-sweep", "512,1024", "--out", str(tmp_path)])
+  assert rc == 0
+  out = capsys.readouterr().out
+  assert "x jax-xla" in out and "not run: jax-cudnn" in out
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert {r["impl"] for r in rows} == {"xla", "jax-xla"}
+  assert all(float(r["ms"]) > 0 for r in rows if r["direction"] == "fwd")
+  assert os.path.getsize(tmp_path / "tflops.png") > 10_000
+  md = (tmp_path / "results.md").read_text()
+  assert "Compiled memory" in md
+
+
+def test_memory_sweep_shows_linear_vs_quadratic():
+  sweep = cli.memory_sweep([1024, 4096], jnp.float32)
+  mib = {(m["impl"], m["seq"]): m["mib"] for m in sweep}
+  # 4x the length: the blockwise one grows ~4x, dense ~16x.
+  assert mib[("xla", 4096)] / mib[("xla", 1024)] < 6
+  assert mib[("jax-xla", 4096)] / mib[("jax-xla", 1024)] > 10

@@ -1,0 +1,148 @@
+"""Timing, memory and the correctness check of one (implementation, shape) row."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashjax.common import flops, reference, tolerances
+from flashjax.common.mask import Band
+from flashjax.common.shapes import Shape
+
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+
+
+@dataclasses.dataclass
+class Row:
+  impl: str
+  shape: str
+  seq: int
+  causal: bool
+  direction: str
+  ms: float | None = None
+  tflops: float | None = None
+  ratio: float | None = None  # baseline time / this time (> 1 is faster)
+  compiled_mib: float | None = None  # arguments + outputs + temporaries
+  alloc_peak_mib: float | None = None  # GPU allocator peak so far in the process
+  status: str = "ok"
+
+
+def random_inputs(shape: Shape, dtype, seed: int = 0, seq: int | None = None,
+                  batch: int | None = None, heads: int | None = None):
+  """Normal random q, k, v, do (never zeros)."""
+  s = seq or shape.seq_q
+  b = batch or shape.batch
+  hq = heads or shape.heads_q
+  hkv = max(1, hq * shape.heads_kv // shape.heads_q)
+  keys = jax.random.split(jax.random.key(seed), 4)
+  mk = lambda key, h, d: jax.random.normal(key, (b, s, h, d), jnp.float32).astype(dtype)
+  return (mk(keys[0], hq, shape.head_dim), mk(keys[1], hkv, shape.head_dim),
+          mk(keys[2], hkv, shape.head_dim_v), mk(keys[3], hq, shape.head_dim_v))
+
+
+def functions(fn, causal: bool):
+  """Jitted forward and forward+backward of ``fn``."""
+  fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+
+  def loss(q, k, v, do):
+    return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
+
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  return fwd, fwd_bwd
+
+
+def time_ms(f, args, *, iters: int, repeats: int) -> float:
+  """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls
+  (warm-up, i.e. compilation and first run, excluded)."""
+  jax.block_until_ready(f(*args))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = f(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) * 1e3 / iters)
+  return statistics.median(samples)
+
+
+def compiled_mib(f, args) -> float | None:
+  """Arguments + outputs + temporaries of the compiled executable (XLA's memory
+  analysis); None where the backend does not report it."""
+  try:
+    m = f.lower(*args).compile().memory_analysis()
+  except Exception:
+    return None
+  if m is None:
+    return None
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes +
+           m.temp_size_in_bytes - getattr(m, "alias_size_in_bytes", 0))
+  return total / 2**20
+
+
+def allocator_peak_mib() -> float | None:
+  stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return stats["peak_bytes_in_use"] / 2**20
+
+
+def check(fn, shape: Shape, dtype) -> str:
+  """Runs ``fn`` on a smaller slice (B=1, S<=512, <=2 kv heads) against the
+  reference; returns "ok" or why the implementation is wrong."""
+  heads = shape.heads_q // shape.heads_kv * min(shape.heads_kv, 2)
+  q, k, v, _ = random_inputs(shape, dtype, seed=1, seq=min(shape.seq_q, 512),
+                             batch=1, heads=heads)
+  try:
+    out = np.asarray(jax.jit(lambda q, k, v: fn(q, k, v, shape.causal))(q, k, v),
+                     np.float32)
+  except Exception as e:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+  ref = np.asarray(reference.attention(q, k, v, causal=shape.causal))
+  err = tolerances.rel_l2(out, ref)
+  if not np.isfinite(out).all() or err > 2 * tolerances.forward(dtype).rel_l2:
+    return f"WRONG (rel. L2 error {err:.2e} on a small slice)"
+  return "ok"
+
+
+def shape_flops(shape: Shape, direction: str) -> int:
+  band = Band(seq_q=shape.seq_q, seq_k=shape.seq_k, right=0 if shape.causal else None)
+  fwd = flops.forward_flops(batch=shape.batch, heads_q=shape.heads_q,
+                            head_dim=shape.head_dim, head_dim_v=shape.head_dim_v,
+                            band=band)
+  return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[direction])
+
+
+def run_row(name, fn, shape: Shape, dtype, directions, *, iters, repeats):
+  """Rows for every direction of one (implementation, shape)."""
+  base = dict(impl=name, shape=shape.name, seq=shape.seq_q, causal=shape.causal)
+  status = check(fn, shape, dtype)
+  if status != "ok":
+    return [Row(**base, direction=d, status=status) for d in directions]
+  q, k, v, do = random_inputs(shape, dtype)
+  fwd, fwd_bwd = functions(fn, shape.causal)
+  rows, times = [], {}
+  try:
+    if {"fwd", "bwd"} & set(directions):
+      times["fwd"] = time_ms(fwd, (q, k, v), iters=iters, repeats=repeats)
+    if {"bwd", "fwd_bwd"} & set(directions):
+      times["fwd_bwd"] = time_ms(fwd_bwd, (q, k, v, do), iters=iters, repeats=repeats)
+    if "bwd" in directions:
+      times["bwd"] = times["fwd_bwd"] - times["fwd"]
+  except Exception as e:
+    msg = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return [Row(**base, direction=d, status=msg) for d in directions]
+  mem = {"fwd": compiled_mib(fwd, (q, k, v)),
+         "fwd_bwd": compiled_mib(fwd_bwd, (q, k, v, do))}
+  mem["bwd"] = mem["fwd_bwd"]
+  peak = allocator_peak_mib()
+  for d in directions:
+    ms = times[d]
+    rows.append(Row(**base, direction=d, ms=ms,
+                    tflops=shape_flops(shape, d) / (ms * 1e-3) / 1e12 if ms > 0 else None,
+                    compiled_mib=mem[d], alloc_peak_mib=peak))
+  return rows
