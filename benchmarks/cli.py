@@ -97,12 +97,17 @@ def main(argv=None):
       skipped[n] = reason
     else:
       built[n] = fn
+  out_dir = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                     time.strftime("%Y%m%d-%H%M%S"))
+  os.makedirs(out_dir, exist_ok=True)
   rows, t0 = [], time.time()
   work = [(n, s) for s in shapes for n in built]
   for i, (n, s) in enumerate(work):
     _progress(i, len(work), f"{n} {s.name}", t0)
     rows.extend(timing.run_row(n, built[n], s, dtype, directions, iters=iters,
                                repeats=repeats))
+    # Partial results survive a run that is cut short.
+    report.write_csv(rows, os.path.join(out_dir, "results.partial.csv"))
   _progress(len(work), len(work), "done", t0)
   sys.stderr.write("\n")
   report.set_ratios(rows, baseline)
@@ -116,11 +121,11 @@ def main(argv=None):
   if sweep:
     print("\nCompiled memory of forward+backward (B=1, H=8, D=64), MiB:")
     print(report.memory_table(sweep))
-  out_dir = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                     time.strftime("%Y%m%d-%H%M%S"))
   title = f"flashjax benchmark: {', '.join(shape_sets)} ({dtype.name})"
   paths = report.write_all(rows, sweep, env, out_dir, baseline, title,
                            plot=not args.no_plot)
+  if rows:
+    os.remove(os.path.join(out_dir, "results.partial.csv"))
   print("wrote " + ", ".join(paths.values()))
   wrong = [r for r in rows if r.status != "ok"]
   return 1 if any(r.impl in ("xla", "pallas", "pallas-triton", "triton")

@@ -26,7 +26,13 @@ class Impl:
 def _flashjax_platform(module: str, **extra):
   def build():
     import importlib
+    from flashjax.common.spec import abstract_spec
     mod = importlib.import_module(f"flashjax.{module}")
+    probe = abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2, head_dim=128,
+                          dtype="bfloat16")
+    reason = mod.supported(probe)
+    if reason:
+      raise NotImplementedError(reason)
     return lambda q, k, v, causal: mod.flash_attention(q, k, v, causal=causal, **extra)
   return build
 
