@@ -1,7 +1,16 @@
 """flashjax: exact flash attention for JAX on every backend.
 
-Importing this package needs only jax: platform subpackages (and triton) are imported
-when first used.
+One contract (``flash_attention``), the seeds' entry points
+(``get_cached_flash_attention``, ``flash_mha``, ``flash_mha_varlen``), kernels per
+platform chosen automatically. Importing this package needs only jax: platform
+subpackages (and triton) are imported when first used.
 """
 
 __version__ = "0.1.0"
+
+from .api import (flash_attention, flash_mha, flash_mha_varlen,
+                  get_cached_flash_attention)
+from .common.spec import FEATURES, AttentionSpec
+
+__all__ = ["flash_attention", "flash_mha", "flash_mha_varlen",
+           "get_cached_flash_attention", "AttentionSpec", "FEATURES"]

@@ -1,18 +1,4 @@
-"""Pallas GPU kernels (Mosaic-GPU for Hopper, Pallas-Triton elsewhere). Not implemented yet: every call raises NotImplementedError,
-so the frontend moves on to the next platform."""
-
-from __future__ import annotations
+"""Pallas GPU kernels: ``mosaic`` (Mosaic-GPU, Hopper) and ``pallas_triton``
+(Pallas lowered through Triton). Submodules are imported when used."""
 
 NAME = "pallas_gpu"
-_REASON = "pallas_gpu: not implemented yet"
-
-
-def supported(spec) -> str | None:
-  """None if this platform can run `spec`, else the reason it cannot."""
-  del spec
-  return _REASON
-
-
-def flash_attention(q, k, v, **kwargs):
-  del q, k, v, kwargs
-  raise NotImplementedError(_REASON)

@@ -13,6 +13,11 @@ def supported(spec) -> str | None:
   return _REASON
 
 
+def attention_from_operands(ops, spec, config=None):
+  del ops, spec, config
+  raise NotImplementedError(_REASON)
+
+
 def flash_attention(q, k, v, **kwargs):
   del q, k, v, kwargs
   raise NotImplementedError(_REASON)

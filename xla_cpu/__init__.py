@@ -2,6 +2,6 @@
 backend (the default on CPU and the universal fallback)."""
 
 from .attention import attention_from_operands, flash_attention, supported
-from .config import XlaConfig, default_config
+from .config import XlaConfig, config_from_block_sizes, default_config
 
 NAME = "xla"

@@ -48,3 +48,10 @@ def default_config(spec, backend: str | None = None) -> XlaConfig:
   return XlaConfig(block_q=512, block_kv=1024,
                    compute_dtype=None if spec.dtype in ("float32", "float64")
                    else spec.dtype)
+
+
+def config_from_block_sizes(spec, block_q=None, block_kv=None) -> XlaConfig:
+  """jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default config."""
+  base = default_config(spec)
+  return XlaConfig(block_q=block_q or base.block_q, block_kv=block_kv or base.block_kv,
+                   compute_dtype=base.compute_dtype)

@@ -1,0 +1,250 @@
+"""The public API: one contract, the seeds' entry points, platform dispatch."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from . import registry
+from .common import spec as spec_lib
+
+BACKENDS = ("cpu", "gpu", "tpu")
+
+
+def _env_flag(name: str) -> bool:
+  return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def detect_backend(backend, q) -> str:
+  """``backend`` if given, else the inputs' device platform, else JAX's default."""
+  if backend is not None:
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
+  try:
+    devices = q.devices()  # concrete arrays only; tracers raise
+  except Exception:
+    devices = None
+  if devices:
+    plat = next(iter(devices)).platform
+    return "gpu" if plat in ("cuda", "rocm", "gpu") else plat
+  plat = jax.default_backend()
+  return "gpu" if plat in ("cuda", "rocm") else plat
+
+
+def _call(name, ops, spec, config, block_sizes, interpret):
+  if interpret and not name.startswith("pallas"):
+    raise ValueError(f"interpret=True runs Pallas kernels in interpret mode; platform"
+                     f" {name!r} has none (use platform='pallas' or 'pallas-triton')")
+  mod = registry.load(name)
+  if config is None and block_sizes is not None and hasattr(
+      mod, "config_from_block_sizes"):
+    config = mod.config_from_block_sizes(spec, *block_sizes)
+  kwargs = {"interpret": interpret} if interpret else {}
+  return mod.attention_from_operands(ops, spec, config, **kwargs)
+
+
+def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=None,
+             block_sizes=None, interpret: bool = False):
+  """Runs the named platform, or the first of the backend's preferred order that
+  can; returns ``(out, lse)``."""
+  platform = platform or os.environ.get("FLASHJAX_PLATFORM") or None
+  if platform is not None:
+    name = registry.resolve(platform, backend)
+    reason = registry.reason_unsupported(name, spec, backend if not interpret else
+                                         registry.PLATFORMS[name].backends[0])
+    if reason:
+      raise NotImplementedError(f"platform {platform!r} cannot run this call: {reason}")
+    return _call(name, ops, spec, config, block_sizes, interpret)
+  reasons = []
+  for name in registry.preferred_order(backend):
+    reason = registry.reason_unsupported(name, spec, backend)
+    if reason is None:
+      try:
+        result = _call(name, ops, spec, config, block_sizes, interpret)
+      except NotImplementedError as e:
+        reason = f"{name}: {e}"
+      else:
+        if reasons:
+          registry.log_once(f"flashjax: running {name}; skipped: " + "; ".join(reasons))
+        return result
+    reasons.append(reason)
+  raise NotImplementedError("no platform can run this call on backend "
+                            f"{backend!r}:\n  " + "\n  ".join(reasons))
+
+
+def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
+                    sliding_window=None, segment_ids=None, key_padding_mask=None,
+                    softmax_scale=None, logits_soft_cap=None, sinks=None,
+                    dropout_rate=0.0, dropout_seed=None, return_lse=False,
+                    backend=None, platform=None, config=None, interpret=False):
+  """Exact attention with the flashjax contract, on the best platform available.
+
+  Args:
+    q: ``[B, Sq, Hq, D]``.
+    k: ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0``.
+    v: ``[B, Sk, Hkv, Dv]``.
+    bias: additive, broadcastable to ``[B, Hq, Sq, Sk]``; differentiable.
+    mask: bool, broadcastable to ``[B, Hq, Sq, Sk]``; True = attend.
+    causal: query i sees key j iff ``j <= i + Sk - Sq`` (bottom-right aligned).
+    sliding_window: ``(left, right)`` around that diagonal (-1/None unbounded),
+      or an int ``w`` meaning ``(w, 0)``.
+    segment_ids: ``(q_ids [B, Sq], kv_ids [B, Sk])`` ints; attend within equal ids.
+    key_padding_mask: bool ``[B, Sk]``, True = real key (lucidrains' form);
+      lowered to segment ids, so no ``[Sq, Sk]`` mask is built.
+    softmax_scale: default ``1/sqrt(D)``.
+    logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias.
+    sinks: ``[Hq]`` or ``[Hq, n]`` logits joining the denominator only.
+    dropout_rate, dropout_seed: dropout on probabilities (common hash).
+    return_lse: also return ``lse [B, Hq, Sq]`` (fp32).
+    backend: "cpu" | "gpu" | "tpu"; default from the inputs' devices.
+    platform: "xla" (alias "jax"), "pallas", "pallas-triton", "triton"; default:
+      the backend's preferred order, falling through on NotImplementedError.
+      Also set by the environment variable ``FLASHJAX_PLATFORM``.
+    config: the chosen platform's tuning config (e.g. ``xla_cpu.XlaConfig``).
+    interpret: run Pallas kernels in interpret mode (CPU, for checking logic).
+
+  Returns:
+    ``out [B, Sq, Hq, Dv]`` in q's dtype, or ``(out, lse)``.
+  """
+  if key_padding_mask is not None:
+    segment_ids = _key_padding_to_segments(key_padding_mask, q, k, segment_ids)
+  if _env_flag("FORCE_MHA") and getattr(k, "ndim", 0) == 4 and getattr(
+      q, "ndim", 0) == 4 and q.shape[2] != k.shape[2] and q.shape[2] % k.shape[2] == 0:
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  ops, spec = spec_lib.canonicalize(
+      q, k, v, bias=bias, mask=mask, causal=causal, sliding_window=sliding_window,
+      segment_ids=segment_ids, softmax_scale=softmax_scale,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_seed=dropout_seed, return_lse=return_lse)
+  out, lse = dispatch(ops, spec, backend=detect_backend(backend, q),
+                      platform=platform, config=config, interpret=interpret)
+  return (out, lse) if return_lse else out
+
+
+def _key_padding_to_segments(key_padding_mask, q, k, segment_ids):
+  b, sk = k.shape[0], k.shape[1]
+  if getattr(key_padding_mask, "shape", None) != (b, sk) or (
+      key_padding_mask.dtype != jnp.bool_):
+    raise ValueError(f"key_padding_mask must be bool [B, Sk] = [{b}, {sk}], got "
+                     f"{getattr(key_padding_mask, 'shape', key_padding_mask)!r} "
+                     f"{getattr(key_padding_mask, 'dtype', '')}")
+  if segment_ids is None:
+    q_ids = jnp.zeros((b, q.shape[1]), jnp.int32)
+    kv_ids = jnp.zeros((b, sk), jnp.int32)
+  else:
+    q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segment_ids)
+  # Padded keys get an id no query has.
+  none = jnp.min(q_ids, axis=1, keepdims=True) - 1
+  return q_ids, jnp.where(key_padding_mask, kv_ids, none)
+
+
+# -- jax-flash-attn2 ---------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def get_cached_flash_attention(backend=None, platform=None, blocksize_q=None,
+                               blocksize_k=None, softmax_scale=None):
+  """jax-flash-attn2's entry: a cached callable
+  ``attention(query, key, value, bias=None, ...)``; the same arguments give the
+  same object.
+
+  Block sizes default to the environment variables ``BLOCKSIZE_M_FLASH_ATTN`` /
+  ``BLOCKSIZE_N_FLASH_ATTN`` when set, else to the platform's heuristic.
+  """
+  if platform is not None:
+    registry.resolve(platform, backend or "gpu")  # validate early
+  if blocksize_q is None and os.environ.get("BLOCKSIZE_M_FLASH_ATTN"):
+    blocksize_q = int(os.environ["BLOCKSIZE_M_FLASH_ATTN"])
+  if blocksize_k is None and os.environ.get("BLOCKSIZE_N_FLASH_ATTN"):
+    blocksize_k = int(os.environ["BLOCKSIZE_N_FLASH_ATTN"])
+  for name, value in (("blocksize_q", blocksize_q), ("blocksize_k", blocksize_k)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+  blocks = None if blocksize_q is None and blocksize_k is None else (
+      blocksize_q, blocksize_k)
+
+  def attention(query, key, value, bias=None, attention_mask=None, causal=False,
+                dropout_prob=0.0, dropout_seed=None, sliding_window=None,
+                logits_soft_cap=None, segment_ids=None, sinks=None,
+                return_lse=False):
+    """``[B, S, H, D]`` attention; ``attention_mask`` is a bool mask
+    broadcastable to ``[B, H, Sq, Sk]`` or a ``[B, Sk]`` key-padding mask."""
+    kpm = None
+    if attention_mask is not None and attention_mask.ndim == 2 and (
+        attention_mask.shape == (key.shape[0], key.shape[1])):
+      kpm, attention_mask = attention_mask.astype(bool), None
+    segs = segment_ids
+    if kpm is not None:
+      segs = _key_padding_to_segments(kpm, query, key, segment_ids)
+    ops, spec = spec_lib.canonicalize(
+        query, key, value, bias=bias, mask=attention_mask, causal=causal,
+        sliding_window=sliding_window, segment_ids=segs,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        dropout_rate=dropout_prob, dropout_seed=dropout_seed,
+        return_lse=return_lse)
+    out, lse = dispatch(ops, spec, backend=detect_backend(backend, query),
+                        platform=platform, block_sizes=blocks)
+    return (out, lse) if return_lse else out
+
+  return attention
+
+
+# -- flash-attn-jax / flash-attn3-jax ---------------------------------------------
+
+
+def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
+  """flash-attn-jax's entry: ``[B, S, H, D]``, ``window_size=(left, right)``."""
+  return flash_attention(q, k, v, softmax_scale=softmax_scale, causal=is_causal,
+                         sliding_window=tuple(window_size))
+
+
+def _cu_to_ids(cu, total, pad_id):
+  pos = jnp.arange(total)
+  ids = jnp.searchsorted(cu, pos, side="right").astype(jnp.int32) - 1
+  return jnp.where(pos < cu[-1], ids, pad_id)
+
+
+def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale=None, is_causal=False,
+                     window_size=(-1, -1)):
+  """flash-attn3-jax's varlen entry on packed ``[total, H, D]`` inputs.
+
+  Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
+  ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v; positions past the last offset are
+  padding. Lowered to segment ids (no ``[S, S]`` mask). Causal and windowed
+  attention need q and k to share offsets (pass the same array), since the
+  contract aligns the diagonal once for the whole packed row.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 3:
+      raise ValueError(f"{name} must be packed [total, H, D], got shape "
+                       f"{getattr(x, 'shape', None)}")
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if getattr(cu, "ndim", None) != 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
+      raise ValueError(f"{name} must be a 1-D int array of offsets, got "
+                       f"{getattr(cu, 'shape', cu)}")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                     f"{cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+  for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    if not isinstance(m, int) or m < 1:
+      raise ValueError(f"{name} must be a positive int, got {m!r}")
+  banded = is_causal or tuple(window_size) != (-1, -1)
+  if banded and cu_seqlens_q is not cu_seqlens_k:
+    raise NotImplementedError(
+        "flash_mha_varlen: causal or windowed attention needs cu_seqlens_q and "
+        "cu_seqlens_k to be the same array (self-attention over packed sequences)")
+  if banded and q.shape[0] != k.shape[0]:
+    raise ValueError("causal/windowed varlen attention needs q and k of equal total"
+                     f" length, got {q.shape[0]} and {k.shape[0]}")
+  q_ids = _cu_to_ids(cu_seqlens_q, q.shape[0], -1)
+  kv_ids = _cu_to_ids(cu_seqlens_k, k.shape[0], -2)
+  out = flash_attention(q[None], k[None], v[None], softmax_scale=softmax_scale,
+                        causal=is_causal, sliding_window=tuple(window_size),
+                        segment_ids=(q_ids[None], kv_ids[None]))
+  return out[0]

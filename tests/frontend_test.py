@@ -1,0 +1,257 @@
+"""The public API: every entry point against the reference, seed-style calls,
+caching, platform choice and fall-through, explicit-platform errors, remat."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax import api, registry
+from flashjax.common import reference, tolerances
+
+TOL = tolerances.forward("float32")
+
+
+def _qkv(b=2, sq=96, sk=96, hq=4, hkv=2, d=32, seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (b, sq, hq, d), dtype),
+          jax.random.normal(ks[1], (b, sk, hkv, d), dtype),
+          jax.random.normal(ks[2], (b, sk, hkv, d), dtype))
+
+
+def _close(x, ref, name="out"):
+  tolerances.assert_close(np.asarray(x, np.float32), np.asarray(ref), TOL, name=name)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, dict(causal=True), dict(sliding_window=(8, 8)), dict(logits_soft_cap=3.0),
+    dict(sinks=jnp.linspace(-1, 1, 4)), dict(dropout_rate=0.2, dropout_seed=3),
+    dict(bias=jnp.ones((96, 96)) * 0.3, mask=jnp.tri(96, dtype=bool)),
+])
+def test_flash_attention_matches_reference(kwargs):
+  q, k, v = _qkv()
+  out, lse = flashjax.flash_attention(q, k, v, return_lse=True, **kwargs)
+  rout, rlse = reference.attention(q, k, v, return_lse=True, **kwargs)
+  _close(out, rout)
+  _close(lse, rlse, "lse")
+
+
+def test_gradients_through_frontend():
+  q, k, v = _qkv(seed=1)
+  f = lambda fn: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, causal=True))),
+                          argnums=(0, 1, 2))(q, k, v)
+  for g, rg in zip(f(flashjax.flash_attention), f(reference.attention)):
+    tolerances.assert_close(g, rg, tolerances.grad("float32"), name="grad")
+
+
+def test_key_padding_mask_equals_dense_mask():
+  q, k, v = _qkv(seed=2)
+  kpm = jnp.arange(96)[None, :] < jnp.array([[70], [96]])
+  out = flashjax.flash_attention(q, k, v, key_padding_mask=kpm, causal=True)
+  ref = reference.attention(q, k, v, mask=kpm[:, None, None, :], causal=True)
+  _close(out, ref)
+  with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+    flashjax.flash_attention(q, k, v, key_padding_mask=kpm.astype(jnp.int32))
+
+
+def test_key_padding_combines_with_segment_ids():
+  q, k, v = _qkv(seed=3)
+  ids = (jnp.arange(96) // 40)[None].repeat(2, 0)
+  kpm = jnp.arange(96)[None, :] < 90
+  kpm = jnp.broadcast_to(kpm, (2, 96))
+  out = flashjax.flash_attention(q, k, v, segment_ids=(ids, ids), key_padding_mask=kpm)
+  ref = reference.attention(q, k, v, segment_ids=(ids, ids),
+                            mask=kpm[:, None, None, :])
+  _close(out, ref)
+
+
+# -- seed-style calls, as written in the seeds' READMEs -------------------------------
+
+
+def test_jax_flash_attn2_style():
+  q, k, v = _qkv(seed=4)
+  headdim = q.shape[-1]
+  bias = jax.random.normal(jax.random.key(9), (2, 4, 96, 96))
+  attention = flashjax.get_cached_flash_attention(
+      backend="cpu", platform="jax", blocksize_q=64, blocksize_k=128,
+      softmax_scale=headdim ** -0.5)
+  outputs = attention(query=q, key=k, value=v, bias=bias)
+  _close(outputs, reference.attention(q, k, v, bias=bias))
+  # A [B, Sk] attention_mask is a key-padding mask.
+  kpm = jnp.ones((2, 96), bool).at[:, 80:].set(False)
+  _close(attention(q, k, v, attention_mask=kpm, causal=True),
+         reference.attention(q, k, v, mask=kpm[:, None, None], causal=True))
+
+
+def test_cached_callable_identity():
+  a = flashjax.get_cached_flash_attention(backend="cpu", platform="jax",
+                                          blocksize_q=64, blocksize_k=128)
+  b = flashjax.get_cached_flash_attention(backend="cpu", platform="jax",
+                                          blocksize_q=64, blocksize_k=128)
+  c = flashjax.get_cached_flash_attention(backend="cpu", platform="jax",
+                                          blocksize_q=32, blocksize_k=128)
+  assert a is b and a is not c
+
+
+def test_blocksize_environment_variables(monkeypatch):
+  monkeypatch.setenv("BLOCKSIZE_M_FLASH_ATTN", "16")
+  monkeypatch.setenv("BLOCKSIZE_N_FLASH_ATTN", "48")
+  from flashjax import xla_cpu
+  seen, real = {}, xla_cpu.attention_from_operands
+
+  def spy(ops, spec, config=None):
+    seen["config"] = config
+    return real(ops, spec, config)
+
+  monkeypatch.setattr(xla_cpu, "attention_from_operands", spy)
+  attention = flashjax.get_cached_flash_attention(backend="cpu", platform="xla",
+                                                  softmax_scale=0.25)
+  q, k, v = _qkv(seed=5)
+  _close(attention(q, k, v), reference.attention(q, k, v, softmax_scale=0.25))
+  assert (seen["config"].block_q, seen["config"].block_kv) == (16, 48)
+
+
+def test_flash_mha_style():
+  q, k, v = _qkv(seed=6, hkv=4)
+  out = flashjax.flash_mha(q, k, v, softmax_scale=None, is_causal=True,
+                           window_size=(16, -1))
+  _close(out, reference.attention(q, k, v, causal=True, sliding_window=(16, -1)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_mha_varlen_matches_per_sequence(causal):
+  lens = [5, 37, 20]
+  total = sum(lens) + 6  # padding tail
+  ks = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(ks[0], (total, 4, 32))
+  k = jax.random.normal(ks[1], (total, 2, 32))
+  v = jax.random.normal(ks[2], (total, 2, 32))
+  cu = jnp.array(np.cumsum([0] + lens), jnp.int32)
+  out = flashjax.flash_mha_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                  is_causal=causal)
+  start = 0
+  for n in lens:
+    sl = slice(start, start + n)
+    ref = reference.attention(q[None, sl], k[None, sl], v[None, sl], causal=causal)[0]
+    _close(out[sl], ref)
+    start += n
+  assert np.all(np.asarray(out[start:]) == 0)
+
+
+def test_flash_mha_varlen_cross_attention_and_errors():
+  q = jax.random.normal(jax.random.key(8), (10, 2, 16))
+  kv = jax.random.normal(jax.random.key(9), (14, 2, 16))
+  cu_q, cu_k = jnp.array([0, 4, 10]), jnp.array([0, 9, 14])
+  out = flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 6, 9)
+  ref0 = reference.attention(q[None, :4], kv[None, :9], kv[None, :9])[0]
+  _close(out[:4], ref0)
+  with pytest.raises(NotImplementedError, match="same array"):
+    flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 6, 9, is_causal=True)
+  with pytest.raises(ValueError, match="packed"):
+    flashjax.flash_mha_varlen(q[None], kv, kv, cu_q, cu_k, 6, 9)
+  with pytest.raises(ValueError, match="max_seqlen_q"):
+    flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 0, 9)
+
+
+# -- platform choice ------------------------------------------------------------------
+
+
+def test_automatic_choice_on_cpu_is_xla():
+  assert registry.preferred_order("cpu") == ["xla"]
+  assert registry.preferred_order("tpu") == ["pallas-tpu", "xla"]
+  assert registry.preferred_order("gpu")[-1] == "xla"
+
+
+def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
+  monkeypatch.setattr(registry, "preferred_order",
+                      lambda backend: ["triton", "pallas-triton", "xla"])
+  monkeypatch.setattr(registry, "PLATFORMS", {
+      **registry.PLATFORMS,
+      "triton": registry.Platform("triton", "triton_gpu", ("cpu",)),
+      "pallas-triton": registry.Platform("pallas-triton", "pallas_gpu.pallas_triton",
+                                         ("cpu",))})
+  registry._logged.clear()
+  q, k, v = _qkv(seed=10)
+  with caplog.at_level(logging.WARNING, logger="flashjax"):
+    out = flashjax.flash_attention(q, k, v)
+    flashjax.flash_attention(q, k, v)
+  _close(out, reference.attention(q, k, v))
+  msgs = [r.message for r in caplog.records if "running xla" in r.message]
+  assert len(msgs) == 1 and "triton" in msgs[0] and "not implemented" in msgs[0]
+
+
+def test_explicit_platform_that_cannot_run_raises_with_reason():
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError, match="'triton'.*not for backend 'cpu'"):
+    flashjax.flash_attention(q, k, v, platform="triton")
+  with pytest.raises(NotImplementedError, match="pallas-mosaic-gpu"):
+    flashjax.flash_attention(q, k, v, platform="pallas", backend="gpu")
+  with pytest.raises(ValueError, match="platform must be one of"):
+    flashjax.flash_attention(q, k, v, platform="cuda")
+  with pytest.raises(ValueError, match="backend must be one of"):
+    flashjax.flash_attention(q, k, v, backend="metal")
+  with pytest.raises(ValueError, match="interpret=True"):
+    flashjax.flash_attention(q, k, v, platform="xla", interpret=True)
+
+
+def test_no_platform_left_reports_every_reason(monkeypatch):
+  monkeypatch.setattr(registry, "preferred_order", lambda b: ["triton", "pallas-tpu"])
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError) as e:
+    flashjax.flash_attention(q, k, v)
+  assert "triton" in str(e.value) and "pallas-tpu" in str(e.value)
+
+
+def test_platform_environment_variable(monkeypatch):
+  monkeypatch.setenv("FLASHJAX_PLATFORM", "triton")
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError, match="triton"):
+    flashjax.flash_attention(q, k, v)
+
+
+def test_force_mha_environment_variable(monkeypatch):
+  monkeypatch.setenv("FORCE_MHA", "1")
+  q, k, v = _qkv(seed=11)
+  _close(flashjax.flash_attention(q, k, v), reference.attention(q, k, v))
+
+
+def test_platform_aliases():
+  assert registry.resolve("jax", "cpu") == "xla"
+  assert registry.resolve("pallas", "tpu") == "pallas-tpu"
+  assert registry.resolve("pallas", "gpu") == "pallas-mosaic-gpu"
+  assert registry.resolve("pallas-triton", "gpu") == "pallas-triton"
+
+
+# -- transformations --------------------------------------------------------------------
+
+
+def test_checkpoint_policy_saves_named_residuals():
+  q, k, v = _qkv(seed=12)
+  policy = jax.checkpoint_policies.save_only_these_names("flashjax_out", "flashjax_lse")
+
+  def loss(q, k, v):
+    return jnp.sum(flashjax.flash_attention(q, k, v, causal=True) ** 2)
+
+  g1 = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
+  g2 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g1, g2):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  jaxpr = str(jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=policy)))(q, k, v))
+  assert "flashjax_out" in jaxpr and "flashjax_lse" in jaxpr
+
+
+def test_vmap_over_an_extra_axis():
+  q, k, v = _qkv(seed=13)
+  stack = lambda x: jnp.stack([x, x * 0.5])
+  out = jax.vmap(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True))(
+      stack(q), stack(k), stack(v))
+  _close(out[1], reference.attention(q * 0.5, k * 0.5, v * 0.5, causal=True))
+
+
+def test_backend_detection_from_inputs():
+  q, k, v = _qkv()
+  assert api.detect_backend(None, q) == "cpu"
+  assert api.detect_backend("tpu", q) == "tpu"
