@@ -1,15 +1,66 @@
-"""Until kernels land, the platform must refuse every call with a reason."""
+"""The conformance suite on the Pallas TPU kernels in TPU interpret mode (CPU), plus
+block skipping counted inside the kernel."""
 
-import jax.numpy as jnp
+import jax
 import pytest
 
 from flashjax import pallas_tpu
-from flashjax.common import spec
+from flashjax.common import conformance
 
 
-def test_refuses_with_reason():
-  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="pallas_tpu"):
-    pallas_tpu.flash_attention(q, q, q)
-  _, s = spec.canonicalize(q, q, q)
-  assert "pallas_tpu" in pallas_tpu.supported(s)
+class TestPallasTpuInterpret(conformance.ConformanceSuite):
+  # Interpret mode simulates every DMA: keep sequences short.
+  CAPS = conformance.Capabilities(
+      name="pallas-tpu[interpret]", head_dim_ok=lambda d: d <= 256,
+      max_seq_len=400, hypothesis_examples=6)
+
+  def attention(self, q, k, v, **kwargs):
+    return pallas_tpu.flash_attention(q, k, v, interpret=True, **kwargs)
+
+
+def _qkv(s=1024, d=64):
+  ks = jax.random.split(jax.random.key(0), 3)
+  return [jax.random.normal(key, (1, s, 1, d)) for key in ks]
+
+
+def test_causal_runs_about_half_the_kv_steps():
+  q, k, v = _qkv()
+  cfg = pallas_tpu.TpuConfig(fwd=pallas_tpu.BlockSizes(block_q=128, block_kv=128))
+  full = pallas_tpu.count_kv_steps(q, k, v, config=cfg)
+  causal = pallas_tpu.count_kv_steps(q, k, v, config=cfg, causal=True)
+  assert full == 64  # 8 q blocks x 8 kv blocks
+  assert causal == 36  # 1 + 2 + ... + 8: the diagonal blocks and below
+  window = pallas_tpu.count_kv_steps(q, k, v, config=cfg, sliding_window=(128, 0))
+  assert window == 15  # the diagonal block and the one before it
+
+
+def test_segments_skip_blocks():
+  import jax.numpy as jnp
+  q, k, v = _qkv(512)
+  cfg = pallas_tpu.TpuConfig(fwd=pallas_tpu.BlockSizes(block_q=128, block_kv=128))
+  ids = (jnp.arange(512) // 128)[None]
+  assert pallas_tpu.count_kv_steps(q, k, v, config=cfg, segment_ids=(ids, ids)) == 4
+
+
+def test_needs_tpu_or_interpret():
+  q, k, v = _qkv(128)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match="interpret=True"):
+      pallas_tpu.flash_attention(q, k, v)
+
+
+def test_frontend_runs_it_in_interpret_mode():
+  import flashjax
+  from flashjax.common import reference, tolerances
+  q, k, v = _qkv(256)
+  out = flashjax.flash_attention(q, k, v, causal=True, backend="tpu",
+                                 platform="pallas", interpret=True)
+  tolerances.assert_close(out, reference.attention(q, k, v, causal=True),
+                          tolerances.forward("float32"))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_kv must be a positive multiple of 128"):
+    pallas_tpu.BlockSizes(block_q=128, block_kv=64)
+  with pytest.raises(ValueError, match="block_q"):
+    pallas_tpu.BlockSizes(block_q=100, block_kv=128)

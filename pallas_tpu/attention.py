@@ -1,0 +1,130 @@
+"""Entry point of the Pallas Mosaic-TPU platform."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import spec as spec_lib
+from ..common import vjp
+from . import backward as bwd_lib
+from . import forward as fwd_lib
+from .config import TpuConfig, default_config
+from .plan import make_plan, prepare
+
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_HEAD_DIM = 256  # q/k/v tiles and the fp32 accumulator must fit VMEM
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  config: TpuConfig
+  interpret: bool
+
+  @property
+  def interpret_params(self):
+    # Simulates TPU memory spaces and DMA; uninitialised memory reads as NaN, so
+    # an unwritten output block fails the tests.
+    return pltpu.InterpretParams() if self.interpret else None
+
+
+def supported(spec: spec_lib.AttentionSpec) -> str | None:
+  if spec.dtype not in DTYPES:
+    return f"pallas-tpu: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
+  if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
+    return (f"pallas-tpu: head dim {max(spec.head_dim, spec.head_dim_v)} > "
+            f"{MAX_HEAD_DIM}")
+  return None
+
+
+def _sinks_lse(ops, spec):
+  sinks = ops.sinks.astype(jnp.float32)
+  return jax.scipy.special.logsumexp(sinks, axis=-1)[None, :, None]  # [1, Hq, 1]
+
+
+def forward(ops, spec, static: _Static):
+  plan = make_plan(spec, static.config.fwd)
+  out, lse = fwd_lib.forward(prepare(ops, plan), plan,
+                             interpret=static.interpret_params)
+  out = jnp.swapaxes(out[:, :, :spec.seq_q], 1, 2)
+  lse = lse[:, :, :spec.seq_q, 0]
+  if spec.num_sinks:
+    total = jnp.logaddexp(lse, _sinks_lse(ops, spec))
+    scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
+    out = (out.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2)[..., None]).astype(
+        out.dtype)
+    lse = total
+  return out, lse
+
+
+def backward(ops, spec, static: _Static, out, lse, do, dlse):
+  plan = make_plan(spec, static.config.bwd)
+  x = prepare(ops, plan)
+  rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q)),
+                                 constant_values=fill)[..., None]
+  delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32),
+                     out.astype(jnp.float32)) - dlse
+  # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
+  lse_safe = rows(jnp.where(jnp.isfinite(lse), lse, jnp.inf), jnp.inf)
+  do_k = jnp.pad(jnp.swapaxes(do, 1, 2).astype(ops.q.dtype),
+                 ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q), (0, 0)))
+  dq, dk, dv, ds = bwd_lib.backward(x, plan, do_k, lse_safe, rows(delta, 0.0),
+                                    interpret=static.interpret_params)
+  dbias = None
+  if ops.bias is not None:
+    shape = ops.bias.shape
+    ds = ds[:, :, :spec.seq_q, :spec.seq_k]
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and ds.shape[a] > 1)
+    dbias = ds.sum(axes, keepdims=True).reshape(shape).astype(ops.bias.dtype)
+  dsinks = None
+  if spec.num_sinks:
+    p_sink = jnp.exp(ops.sinks.astype(jnp.float32)[None, :, None, :] -
+                     jnp.where(jnp.isfinite(lse), lse, jnp.inf)[..., None])
+    dsinks = -jnp.sum(p_sink * delta[..., None], (0, 2)).astype(ops.sinks.dtype)
+  unpad = lambda a, s: jnp.swapaxes(a[:, :, :s], 1, 2)
+  return spec_lib.Operands(q=unpad(dq, spec.seq_q), k=unpad(dk, spec.seq_k),
+                           v=unpad(dv, spec.seq_k), bias=dbias, sinks=dsinks)
+
+
+def _static(spec, config, interpret) -> _Static:
+  if not interpret and jax.default_backend() != "tpu":
+    raise NotImplementedError("pallas-tpu: needs a TPU, or interpret=True on CPU")
+  config = config or default_config(spec)
+  if not isinstance(config, TpuConfig):
+    raise ValueError(f"config must be a pallas_tpu.TpuConfig, got "
+                     f"{type(config).__name__}")
+  return _Static(config=config, interpret=bool(interpret))
+
+
+def attention_from_operands(ops, spec, config: TpuConfig | None = None,
+                            interpret: bool = False):
+  reason = supported(spec)
+  if reason:
+    raise NotImplementedError(reason)
+  return vjp.attention(forward, backward, ops, spec, _static(spec, config, interpret))
+
+
+def flash_attention(q, k, v, *, config: TpuConfig | None = None,
+                    interpret: bool = False, **kwargs):
+  """Pallas Mosaic-TPU flash attention; the contract of DESIGN.md.
+
+  ``interpret=True`` runs the kernels in Pallas TPU interpret mode (any backend),
+  which is how this project verifies them: no TPU was available.
+  """
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  out, lse = attention_from_operands(ops, spec, config, interpret)
+  return (out, lse) if spec.return_lse else out
+
+
+def count_kv_steps(q, k, v, *, config: TpuConfig | None = None, **kwargs) -> int:
+  """Executed (non-skipped) kv steps of the forward kernel, summed over the grid,
+  counted inside the kernel in interpret mode (for tests of block skipping)."""
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  static = _static(spec, config, True)
+  plan = make_plan(spec, static.config.fwd)
+  _, _, count = fwd_lib.forward(prepare(ops, plan), plan,
+                                interpret=static.interpret_params, count=True)
+  return int(count.sum())

@@ -1,0 +1,139 @@
+"""Static geometry of one call, kernel-layout operands and block tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..common.spec import AttentionSpec, Operands
+from .config import BlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  spec: AttentionSpec
+  block_q: int
+  block_kv: int
+
+  @property
+  def num_q_blocks(self) -> int:
+    return -(-self.spec.seq_q // self.block_q)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return -(-self.spec.seq_k // self.block_kv)
+
+  @property
+  def seq_q_padded(self) -> int:
+    return self.num_q_blocks * self.block_q
+
+  @property
+  def seq_k_padded(self) -> int:
+    return self.num_kv_blocks * self.block_kv
+
+  def kv_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per q block, the kv blocks ``[lo, hi)`` the band reaches (``lo = hi = 0``
+    when none)."""
+    lo, hi = [], []
+    for i in range(self.num_q_blocks):
+      a, b = self.spec.band.kv_bounds(i * self.block_q,
+                                      min((i + 1) * self.block_q, self.spec.seq_q))
+      lo.append(a // self.block_kv if b > a else 0)
+      hi.append(-(-b // self.block_kv) if b > a else 0)
+    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
+
+  def q_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per kv block, the q blocks ``[lo, hi)`` that reach it."""
+    lo, hi = [], []
+    for j in range(self.num_kv_blocks):
+      a, b = self.spec.band.q_bounds(j * self.block_kv,
+                                     min((j + 1) * self.block_kv, self.spec.seq_k))
+      lo.append(a // self.block_q if b > a else 0)
+      hi.append(-(-b // self.block_q) if b > a else 0)
+    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
+
+
+def make_plan(spec: AttentionSpec, blocks: BlockSizes) -> Plan:
+  return Plan(spec=spec, block_q=blocks.block_q, block_kv=blocks.block_kv)
+
+
+class KernelOperands(NamedTuple):
+  """Head-major, padded; the wrapper transposes once so that every block is a
+  contiguous (rows, head_dim) tile."""
+
+  q: Any  # [B, Hq, Sqp, D]
+  k: Any  # [B, Hkv, Skp, D]
+  v: Any  # [B, Hkv, Skp, Dv]
+  bias: Any  # [Bb, Hb, Sqb, Skb] fp32, each dim 1 or padded full
+  mask: Any  # same, int8 (bool refs do not lower on TPU)
+  q_ids: Any  # [B, Sqp, 1] int32: rows on sublanes
+  kv_ids: Any  # [B, 1, Skp] int32: keys on lanes
+  seed: Any  # [1] int32 (scalar prefetch, SMEM)
+
+
+def _pad(x, axis, size, value=0):
+  extra = size - x.shape[axis]
+  if extra <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_broadcastable(x, plan: Plan, value=0):
+  if x.shape[2] > 1:
+    x = _pad(x, 2, plan.seq_q_padded, value)
+  if x.shape[3] > 1:
+    x = _pad(x, 3, plan.seq_k_padded, value)
+  return x
+
+
+def prepare(ops: Operands, plan: Plan) -> KernelOperands:
+  head_major = lambda x, s: _pad(jnp.swapaxes(x, 1, 2), 2, s)
+  q_ids = kv_ids = None
+  if ops.q_segment_ids is not None:
+    q_ids = _pad(ops.q_segment_ids, 1, plan.seq_q_padded)[:, :, None]
+    kv_ids = _pad(ops.kv_segment_ids, 1, plan.seq_k_padded)[:, None, :]
+  seed = None
+  if ops.dropout_seed is not None:
+    seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
+  return KernelOperands(
+      q=head_major(ops.q, plan.seq_q_padded),
+      k=head_major(ops.k, plan.seq_k_padded),
+      v=head_major(ops.v, plan.seq_k_padded),
+      bias=None if ops.bias is None else _pad_broadcastable(
+          ops.bias.astype(jnp.float32), plan),
+      mask=None if ops.mask is None else _pad_broadcastable(
+          ops.mask.astype(jnp.int8), plan),
+      q_ids=q_ids, kv_ids=kv_ids, seed=seed)
+
+
+def segment_ranges(x: KernelOperands, plan: Plan):
+  """Per-block min/max of segment ids, flattened ``[B * n]`` int32 (SMEM), or
+  None. Disjoint ranges mean no id can match, for sorted or unsorted ids."""
+  if x.q_ids is None:
+    return None
+  spec = plan.spec
+  b = spec.batch
+  real_q = jnp.arange(plan.seq_q_padded) < spec.seq_q
+  real_k = jnp.arange(plan.seq_k_padded) < spec.seq_k
+  q = jnp.where(real_q, x.q_ids[:, :, 0], x.q_ids[:, spec.seq_q - 1:spec.seq_q, 0])
+  k = jnp.where(real_k, x.kv_ids[:, 0], x.kv_ids[:, 0, spec.seq_k - 1:spec.seq_k])
+  q = q.reshape(b, plan.num_q_blocks, plan.block_q)
+  k = k.reshape(b, plan.num_kv_blocks, plan.block_kv)
+  flat = lambda a: a.reshape(-1).astype(jnp.int32)
+  return flat(q.min(-1)), flat(q.max(-1)), flat(k.min(-1)), flat(k.max(-1))
+
+
+def broadcast_index(shape, b, h, i, j):
+  """Block index of a broadcastable [Bb, Hb, Sqb, Skb] operand at (b, h, i, j)."""
+  return tuple(idx if n > 1 else 0 for idx, n in zip((b, h, i, j), shape))
+
+
+def broadcast_block(shape, plan: Plan):
+  return (None, None, plan.block_q if shape[2] > 1 else 1,
+          plan.block_kv if shape[3] > 1 else 1)

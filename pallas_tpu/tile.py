@@ -1,0 +1,87 @@
+"""In-kernel math on one (batch, head, q block, kv block) tile, shared by the
+forward and both backward kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..common import dropout as dropout_lib
+from ..common.mask import band_allowed
+from .plan import Plan
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+
+
+def precision(dtype):
+  # fp32 inputs: full-precision MXU passes, so the platform stays exact.
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def matmul_nt(a, b):
+  return jax.lax.dot_general(a, b, _NT, precision=precision(a.dtype),
+                             preferred_element_type=jnp.float32)
+
+
+def matmul(a, b, contract_lhs=1):
+  """``a @ b`` (contract_lhs=1) or ``a.T @ b`` (contract_lhs=0), fp32 accumulate."""
+  dims = (((contract_lhs,), (0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, precision=precision(b.dtype),
+                             preferred_element_type=jnp.float32)
+
+
+def scores(plan: Plan, q, k, bias):
+  """Scaled, biased, soft-capped fp32 logits ``[bq, bk]`` and the tanh of the
+  soft cap (for the backward's chain rule) or None."""
+  s = matmul_nt(q, k) * plan.spec.softmax_scale
+  if bias is not None:
+    s = s + bias
+  cap = plan.spec.logits_soft_cap
+  if cap is None:
+    return s, None
+  t = jnp.tanh(s / cap)
+  return cap * t, t
+
+
+def positions(plan: Plan, i, j):
+  rows = i * plan.block_q + jax.lax.broadcasted_iota(
+      jnp.int32, (plan.block_q, plan.block_kv), 0)
+  cols = j * plan.block_kv + jax.lax.broadcasted_iota(
+      jnp.int32, (plan.block_q, plan.block_kv), 1)
+  return rows, cols
+
+
+def allowed(plan: Plan, i, j, q_ids=None, kv_ids=None, mask=None):
+  """Bool ``[bq, bk]`` of what the tile may attend to, or None for everything."""
+  spec = plan.spec
+  rows, cols = positions(plan, i, j)
+  ok = None
+  if not spec.band.is_full:
+    ok = band_allowed(rows, cols, spec.band)
+  if plan.seq_k_padded != spec.seq_k:
+    tail = cols < spec.seq_k
+    ok = tail if ok is None else ok & tail
+  if q_ids is not None:
+    seg = q_ids == kv_ids  # [bq, 1] == [1, bk]
+    ok = seg if ok is None else ok & seg
+  if mask is not None:
+    m = mask != 0
+    ok = m if ok is None else ok & m
+  return ok
+
+
+def dropout_keep(plan: Plan, seed, b, h, i, j):
+  """Keep-mask ``[bq, bk]`` of the common hash at global coordinates."""
+  rows, cols = positions(plan, i, j)
+  key = dropout_lib.row_key(seed, b, h, rows[:, :1])
+  return dropout_lib.keep_from_row_key(key, cols, plan.spec.dropout_rate)
+
+
+def segments_meet(seg_refs, plan: Plan, b, i, j):
+  """Scalar: can block (i, j) of batch b share a segment id (from SMEM ranges)?"""
+  qmin, qmax, kmin, kmax = seg_refs
+  # Steps past a row's range carry indices past the tables: clamp the reads
+  # (those steps are skipped by the band check anyway).
+  qi = b * plan.num_q_blocks + jnp.minimum(i, plan.num_q_blocks - 1)
+  kj = b * plan.num_kv_blocks + jnp.minimum(j, plan.num_kv_blocks - 1)
+  return (qmin[qi] <= kmax[kj]) & (kmin[kj] <= qmax[qi])
