@@ -90,8 +90,9 @@ def _lucidrains():
 
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("xla", "flashjax", _flashjax_platform("xla_cpu")),
-    Impl("pallas", "flashjax", _flashjax_platform("pallas_gpu"), ("gpu",)),
-    Impl("pallas-triton", "flashjax", _flashjax_platform("pallas_gpu"), ("gpu",)),
+    Impl("pallas", "flashjax", _flashjax_platform("pallas_gpu.mosaic"), ("gpu",)),
+    Impl("pallas-triton", "flashjax", _flashjax_platform("pallas_gpu.pallas_triton"),
+         ("gpu",)),
     Impl("triton", "flashjax", _flashjax_platform("triton_gpu"), ("gpu",)),
     Impl("jax-xla", "peer", _jax_nn("xla")),
     Impl("jax-cudnn", "peer", _jax_nn("cudnn"), ("gpu",)),

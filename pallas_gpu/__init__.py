@@ -1,4 +1,5 @@
-"""Pallas GPU kernels: ``mosaic`` (Mosaic-GPU, Hopper) and ``pallas_triton``
-(Pallas lowered through Triton). Submodules are imported when used."""
+"""Pallas GPU kernels: ``pallas_triton`` (Pallas lowered through Triton: the whole
+contract, forward and backward) and ``mosaic`` (Mosaic-GPU for Hopper: not
+implemented yet). Submodules are imported when used."""
 
 NAME = "pallas_gpu"

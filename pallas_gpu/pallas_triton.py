@@ -1,22 +1,144 @@
-"""Pallas kernels lowered through Triton (Ampere, Ada, Hopper, AMD). Not implemented yet: every call raises NotImplementedError, so the
-frontend moves on to the next platform."""
+"""Pallas kernels lowered through Triton: the portable GPU path (Ampere, Ada,
+Hopper, AMD) with the whole contract. ``interpret=True`` runs the same kernels in
+Pallas' interpreter on any backend."""
 
 from __future__ import annotations
 
-_REASON = "not implemented yet"
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..common import spec as spec_lib
+from ..common import vjp
+from . import triton_bwd, triton_fwd
+from . import triton_plan as tp
+from .triton_plan import KernelConfig, TritonConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_HEAD_DIM = 256  # q, o accumulator and k/v tiles of 256 columns fill the SMEM
 
 
-def supported(spec) -> str | None:
-  """None if this platform can run `spec`, else the reason it cannot."""
-  del spec
-  return _REASON
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  config: TritonConfig
+  interpret: bool
 
 
-def attention_from_operands(ops, spec, config=None):
-  del ops, spec, config
-  raise NotImplementedError(f"pallas_gpu.pallas_triton: {_REASON}")
+def supported(spec: spec_lib.AttentionSpec) -> str | None:
+  if spec.dtype not in DTYPES:
+    return f"pallas-triton: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
+  if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
+    return (f"pallas-triton: head dim {max(spec.head_dim, spec.head_dim_v)} > "
+            f"{MAX_HEAD_DIM}")
+  return None
 
 
-def flash_attention(q, k, v, **kwargs):
-  del q, k, v, kwargs
-  raise NotImplementedError(f"pallas_gpu.pallas_triton: {_REASON}")
+def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
+  """Tiles by head dim: larger heads leave room for fewer rows. Small problems get
+  tiles no larger than their (power-of-two rounded) lengths."""
+  d = max(spec.head_dim, spec.head_dim_v)
+  if d <= 64:
+    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=4,
+                                        num_stages=3))
+  elif d <= 128:
+    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=8,
+                                        num_stages=3),
+                       dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                       num_stages=2),
+                       dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                        num_stages=2))
+  else:
+    cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
+                                        num_stages=2),
+                       dq=KernelConfig(block_q=32, block_kv=32, num_warps=4,
+                                       num_stages=1),
+                       dkv=KernelConfig(block_q=32, block_kv=32, num_warps=4,
+                                        num_stages=1))
+  fit = lambda n: max(16, 1 << (n - 1).bit_length())
+  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
+                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
+  return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
+
+
+def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
+  base = default_config(spec)
+  fwd = dataclasses.replace(base.fwd, block_q=block_q or base.fwd.block_q,
+                            block_kv=block_kv or base.fwd.block_kv)
+  return dataclasses.replace(base, fwd=fwd)
+
+
+def _sinks_lse(ops):
+  return jax.scipy.special.logsumexp(ops.sinks.astype(jnp.float32), axis=-1)
+
+
+def forward(ops, spec, static: _Static):
+  plans = tp.make_plans(spec, static.config)
+  plan = plans["fwd"]
+  out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, static.config.fwd,
+                                static.interpret)
+  out = out[:, :spec.seq_q, :, :spec.head_dim_v]
+  lse = lse[:, :, :spec.seq_q]
+  if spec.num_sinks:
+    total = jnp.logaddexp(lse, _sinks_lse(ops)[None, :, None])
+    scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
+    out = (out.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2)[..., None]).astype(
+        out.dtype)
+    lse = total
+  return out, lse
+
+
+def backward(ops, spec, static: _Static, out, lse, do, dlse):
+  plans = tp.make_plans(spec, static.config)
+  x = tp.prepare(ops, plans["dq"])
+  sqp = plans["dq"].seq_q_padded
+  delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32),
+                     out.astype(jnp.float32)) - dlse
+  pad_rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, sqp - spec.seq_q)),
+                                     constant_values=fill)
+  # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
+  lse_safe = pad_rows(jnp.where(jnp.isfinite(lse), lse, jnp.inf), jnp.inf)
+  do_k = jnp.pad(do.astype(ops.q.dtype), ((0, 0), (0, sqp - spec.seq_q), (0, 0),
+                                          (0, plans["dq"].head_dim_v_padded -
+                                           spec.head_dim_v)))
+  dq, dk, dv, ds = triton_bwd.backward(
+      x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
+      lse_safe, pad_rows(delta, 0.0), static.interpret)
+  dbias = None
+  if ops.bias is not None:
+    shape = ops.bias.shape
+    ds = ds[:, :, :spec.seq_q, :spec.seq_k]
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and ds.shape[a] > 1)
+    dbias = ds.sum(axes, keepdims=True).reshape(shape).astype(ops.bias.dtype)
+  dsinks = None
+  if spec.num_sinks:
+    p_sink = jnp.exp(ops.sinks.astype(jnp.float32)[None, :, None, :] -
+                     jnp.where(jnp.isfinite(lse), lse, jnp.inf)[..., None])
+    dsinks = -jnp.sum(p_sink * delta[..., None], (0, 2)).astype(ops.sinks.dtype)
+  return spec_lib.Operands(
+      q=dq[:, :spec.seq_q, :, :spec.head_dim],
+      k=dk[:, :spec.seq_k, :, :spec.head_dim],
+      v=dv[:, :spec.seq_k, :, :spec.head_dim_v], bias=dbias, sinks=dsinks)
+
+
+def attention_from_operands(ops, spec, config: TritonConfig | None = None,
+                            interpret: bool = False):
+  reason = supported(spec)
+  if reason:
+    raise NotImplementedError(reason)
+  if not interpret and jax.default_backend() != "gpu":
+    raise NotImplementedError("pallas-triton: needs a GPU, or interpret=True")
+  config = config or default_config(spec)
+  if not isinstance(config, TritonConfig):
+    raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
+                     f"{type(config).__name__}")
+  return vjp.attention(forward, backward, ops, spec, _Static(config, bool(interpret)))
+
+
+def flash_attention(q, k, v, *, config: TritonConfig | None = None,
+                    interpret: bool = False, **kwargs):
+  """Pallas-Triton flash attention; the contract of DESIGN.md. fp32 inputs use
+  full-precision (IEEE) products unless ``config.fp32_precision == "tf32"``."""
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  out, lse = attention_from_operands(ops, spec, config, interpret)
+  return (out, lse) if spec.return_lse else out

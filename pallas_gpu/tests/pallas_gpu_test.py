@@ -1,16 +1,90 @@
-"""Until kernels land, both Pallas GPU families must refuse every call with a reason."""
+"""The conformance suite on the Pallas-Triton kernels: in Pallas interpret mode on
+any machine, and compiled through Triton where a GPU is present."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import pytest
 
-from flashjax.common import spec
+from flashjax.common import conformance, spec, tolerances
 from flashjax.pallas_gpu import mosaic, pallas_triton
+from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
+
+ON_GPU = jax.default_backend() == "gpu"
+SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
+                     dq=KernelConfig(block_q=16, block_kv=32),
+                     dkv=KernelConfig(block_q=32, block_kv=16))
 
 
-@pytest.mark.parametrize("mod", [mosaic, pallas_triton])
-def test_refuses_with_reason(mod):
+class TestPallasTritonInterpret(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(name="pallas-triton[interpret]",
+                                  head_dim_ok=lambda d: d <= 256, max_seq_len=400,
+                                  hypothesis_examples=6)
+
+  def attention(self, q, k, v, **kwargs):
+    return pallas_triton.flash_attention(q, k, v, interpret=True, **kwargs)
+
+
+class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
+  """Different tiles per kernel: many edge tiles, shared padding."""
+
+  CAPS = conformance.Capabilities(name="pallas-triton[interpret,small]",
+                                  head_dim_ok=lambda d: d <= 256, max_seq_len=300,
+                                  hypothesis_examples=4)
+
+  def attention(self, q, k, v, **kwargs):
+    return pallas_triton.flash_attention(q, k, v, interpret=True, config=SMALL,
+                                         **kwargs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+class TestPallasTritonGpu(conformance.ConformanceSuite):
+  # fp32 runs IEEE products by default, so the fp32 tolerance stands.
+  CAPS = conformance.Capabilities(name="pallas-triton[gpu]",
+                                  head_dim_ok=lambda d: d <= 256)
+
+  def attention(self, q, k, v, **kwargs):
+    return pallas_triton.flash_attention(q, k, v, **kwargs)
+
+
+def test_tf32_option_is_documented_and_close():
+  cfg = dataclasses.replace(pallas_triton.default_config(
+      spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=64,
+                         dtype="float32")), fp32_precision="tf32")
+  assert cfg.fp32_precision == "tf32"
+  with pytest.raises(ValueError, match="fp32_precision"):
+    TritonConfig(fp32_precision="bf16")
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_q must be a power of two"):
+    KernelConfig(block_q=48, block_kv=32)
+  with pytest.raises(ValueError, match="num_warps"):
+    KernelConfig(block_q=32, block_kv=32, num_warps=3)
+
+
+def test_needs_gpu_or_interpret():
+  q = jnp.ones((1, 16, 1, 32))
+  if not ON_GPU:
+    with pytest.raises(NotImplementedError, match="interpret=True"):
+      pallas_triton.flash_attention(q, q, q)
+
+
+def test_frontend_runs_it_in_interpret_mode():
+  import flashjax
+  from flashjax.common import reference
+  ks = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(kk, (1, 96, 2, 64)) for kk in ks)
+  out = flashjax.flash_attention(q, k, v, causal=True, backend="gpu",
+                                 platform="pallas-triton", interpret=True)
+  tolerances.assert_close(out, reference.attention(q, k, v, causal=True),
+                          tolerances.forward("float32"))
+
+
+def test_mosaic_refuses_with_reason():
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="not implemented"):
-    mod.flash_attention(q, q, q)
+    mosaic.flash_attention(q, q, q)
   _, s = spec.canonicalize(q, q, q)
-  assert "not implemented" in mod.supported(s)
+  assert "not implemented" in mosaic.supported(s)

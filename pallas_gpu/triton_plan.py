@@ -1,0 +1,270 @@
+"""Geometry, configs and in-kernel tile math of the Pallas-Triton kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..common import dropout as dropout_lib
+from ..common.mask import band_allowed
+from ..common.spec import AttentionSpec, Operands
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _pow2(name, value, lo=16):
+  if not isinstance(value, int) or value < lo or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+  """One kernel's tiles and Triton launch parameters (Triton needs power-of-two
+  tile sides)."""
+
+  block_q: int
+  block_kv: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _pow2("block_q", self.block_q)
+    _pow2("block_kv", self.block_kv)
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages must be a positive int, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonConfig:
+  """Forward, dq and dkv kernels. ``fp32_precision`` "ieee" keeps fp32 inputs
+  exact; "tf32" trades 10-bit mantissa products for speed."""
+
+  fwd: KernelConfig = KernelConfig(block_q=128, block_kv=64, num_warps=4,
+                                   num_stages=3)
+  dq: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                  num_stages=2)
+  dkv: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                   num_stages=2)
+  fp32_precision: str = "ieee"
+
+  def __post_init__(self):
+    if self.fp32_precision not in ("ieee", "tf32"):
+      raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
+                       f"{self.fp32_precision!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One kernel's tiles over sequences padded to multiples of ``pad_q``/``pad_k``
+  (the largest tile of forward and backward, so all kernels share one padding)."""
+
+  spec: AttentionSpec
+  block_q: int
+  block_kv: int
+  pad_q: int
+  pad_k: int
+  fp32_precision: str = "ieee"
+
+  @property
+  def seq_q_padded(self):
+    return -(-self.spec.seq_q // self.pad_q) * self.pad_q
+
+  @property
+  def seq_k_padded(self):
+    return -(-self.spec.seq_k // self.pad_k) * self.pad_k
+
+  @property
+  def num_q_blocks(self):
+    return self.seq_q_padded // self.block_q
+
+  @property
+  def num_kv_blocks(self):
+    return self.seq_k_padded // self.block_kv
+
+  @property
+  def head_dim_padded(self):
+    return max(16, 1 << (self.spec.head_dim - 1).bit_length())
+
+  @property
+  def head_dim_v_padded(self):
+    return max(16, 1 << (self.spec.head_dim_v - 1).bit_length())
+
+  @property
+  def precision(self):
+    if self.spec.dtype == "float32" and self.fp32_precision == "ieee":
+      return jax.lax.Precision.HIGHEST
+    return None
+
+  # -- block ranges from the band (traced scalars inside kernels) -------------------
+
+  def kv_ranges(self, i):
+    """kv blocks ``lo <= lo_full <= hi_full <= hi`` of q block i: [lo, hi) are
+    reachable, [lo_full, hi_full) need no positional mask."""
+    band, bq, bk = self.spec.band, self.block_q, self.block_kv
+    sk, nk = self.spec.seq_k, self.num_kv_blocks
+    row0 = i * bq
+    row1 = jnp.minimum((i + 1) * bq, self.spec.seq_q) - 1
+    lo_key, hi_key = jnp.int32(0), jnp.int32(sk)
+    lo_full_key, hi_full_key = jnp.int32(0), jnp.int32((sk // bk) * bk)
+    if band.left is not None:
+      lo_key = jnp.maximum(lo_key, row0 + band.offset - band.left)
+      lo_full_key = jnp.maximum(lo_full_key, row1 + band.offset - band.left)
+    if band.right is not None:
+      hi_key = jnp.minimum(hi_key, row1 + band.offset + band.right + 1)
+      hi_full_key = jnp.minimum(hi_full_key, row0 + band.offset + band.right + 1)
+    empty = hi_key <= lo_key
+    lo = jnp.where(empty, 0, lo_key // bk)
+    hi = jnp.where(empty, 0, jnp.minimum(nk, (hi_key + bk - 1) // bk))
+    lo_full = jnp.clip((lo_full_key + bk - 1) // bk, lo, hi)
+    hi_full = jnp.clip(hi_full_key // bk, lo_full, hi)
+    return lo, lo_full, hi_full, hi
+
+  def q_ranges(self, j):
+    """The transpose: q blocks reaching kv block j, and those needing no mask."""
+    band, bq, bk = self.spec.band, self.block_q, self.block_kv
+    sq, nq = self.spec.seq_q, self.num_q_blocks
+    col0 = j * bk
+    col1 = jnp.minimum((j + 1) * bk, self.spec.seq_k) - 1
+    tail = (j + 1) * bk > self.spec.seq_k  # padded keys: mask every block
+    lo_row, hi_row = jnp.int32(0), jnp.int32(sq)
+    lo_full_row, hi_full_row = jnp.int32(0), jnp.int32((sq // bq) * bq)
+    if band.right is not None:
+      lo_row = jnp.maximum(lo_row, col0 - band.offset - band.right)
+      lo_full_row = jnp.maximum(lo_full_row, col1 - band.offset - band.right)
+    if band.left is not None:
+      hi_row = jnp.minimum(hi_row, col1 - band.offset + band.left + 1)
+      hi_full_row = jnp.minimum(hi_full_row, col0 - band.offset + band.left + 1)
+    empty = hi_row <= lo_row
+    lo = jnp.where(empty, 0, lo_row // bq)
+    hi = jnp.where(empty, 0, jnp.minimum(nq, (hi_row + bq - 1) // bq))
+    lo_full = jnp.clip((lo_full_row + bq - 1) // bq, lo, hi)
+    hi_full = jnp.clip(hi_full_row // bq, lo_full, hi)
+    lo_full = jnp.where(tail, hi, lo_full)
+    hi_full = jnp.where(tail, hi, hi_full)
+    return lo, lo_full, hi_full, hi
+
+
+def make_plans(spec: AttentionSpec, config: TritonConfig) -> dict[str, Plan]:
+  kernels = {"fwd": config.fwd, "dq": config.dq, "dkv": config.dkv}
+  pad_q = max(c.block_q for c in kernels.values())
+  pad_k = max(c.block_kv for c in kernels.values())
+  return {name: Plan(spec, c.block_q, c.block_kv, pad_q, pad_k, config.fp32_precision)
+          for name, c in kernels.items()}
+
+
+class KernelOperands(NamedTuple):
+  q: Any  # [B, Sqp, Hq, Dp]
+  k: Any  # [B, Skp, Hkv, Dp]
+  v: Any  # [B, Skp, Hkv, Dvp]
+  bias: Any  # [Bb, Hb, Sqb, Skb] fp32 (1 or padded full per dim)
+  mask: Any  # same, int8
+  q_ids: Any  # [B, Sqp] int32
+  kv_ids: Any  # [B, Skp] int32
+  seed: Any  # [1] int32
+
+
+def _pad(x, axis, size, value=0):
+  extra = size - x.shape[axis]
+  if extra <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_rows(x, plan: Plan, axis=1):
+  return _pad(x, axis, plan.seq_q_padded)
+
+
+def prepare(ops: Operands, plan: Plan) -> KernelOperands:
+  """Pads sequences to block multiples and head dims to powers of two (zeros:
+  they add nothing to q.k or to p.v)."""
+  dp, dvp = plan.head_dim_padded, plan.head_dim_v_padded
+  pad4 = lambda x, s, d: _pad(_pad(x, 1, s), 3, d)
+  bias = mask = q_ids = kv_ids = seed = None
+  if ops.bias is not None:
+    bias = ops.bias.astype(jnp.float32)
+    bias = _pad(bias, 2, plan.seq_q_padded) if bias.shape[2] > 1 else bias
+    bias = _pad(bias, 3, plan.seq_k_padded) if bias.shape[3] > 1 else bias
+  if ops.mask is not None:
+    mask = ops.mask.astype(jnp.int8)
+    mask = _pad(mask, 2, plan.seq_q_padded) if mask.shape[2] > 1 else mask
+    mask = _pad(mask, 3, plan.seq_k_padded) if mask.shape[3] > 1 else mask
+  if ops.q_segment_ids is not None:
+    q_ids = _pad(ops.q_segment_ids, 1, plan.seq_q_padded)
+    kv_ids = _pad(ops.kv_segment_ids, 1, plan.seq_k_padded)
+  if ops.dropout_seed is not None:
+    seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
+  return KernelOperands(pad4(ops.q, plan.seq_q_padded, dp),
+                        pad4(ops.k, plan.seq_k_padded, dp),
+                        pad4(ops.v, plan.seq_k_padded, dvp),
+                        bias, mask, q_ids, kv_ids, seed)
+
+
+# -- tile math -----------------------------------------------------------------------
+
+
+def dot(a, b, plan: Plan, trans_b=False):
+  if trans_b:
+    b = b.T
+  return jnp.dot(a, b, precision=plan.precision, preferred_element_type=jnp.float32)
+
+
+def logits2(plan: Plan, q, k, bias):
+  """Logits in base 2 (``s * log2(e)``, so exp2 can replace exp) and, with a soft
+  cap, its tanh for the backward."""
+  spec = plan.spec
+  qk = dot(q, k, plan, trans_b=True)
+  if bias is None and spec.logits_soft_cap is None:
+    return qk * (spec.softmax_scale * LOG2E), None
+  s = qk * spec.softmax_scale
+  if bias is not None:
+    s = s + bias
+  t = None
+  if spec.logits_soft_cap is not None:
+    t = jnp.tanh(s / spec.logits_soft_cap)
+    s = spec.logits_soft_cap * t
+  return s * LOG2E, t
+
+
+def positions(plan: Plan, i, j, bq=None, bk=None):
+  bq, bk = bq or plan.block_q, bk or plan.block_kv
+  rows = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  return rows, cols
+
+
+def allowed(plan: Plan, i, j, positional: bool, q_ids=None, kv_ids=None, mask=None):
+  spec = plan.spec
+  ok = None
+  if positional:
+    rows, cols = positions(plan, i, j)
+    if not spec.band.is_full:
+      ok = band_allowed(rows, cols, spec.band)
+    if plan.seq_k_padded != spec.seq_k:
+      tail = cols < spec.seq_k
+      ok = tail if ok is None else ok & tail
+  if q_ids is not None:
+    seg = q_ids[:, None] == kv_ids[None, :]
+    ok = seg if ok is None else ok & seg
+  if mask is not None:
+    m = mask != 0
+    ok = m if ok is None else ok & m
+  return ok
+
+
+def dropout_keep(plan: Plan, seed, b, h, i, j, bq=None, bk=None):
+  """Keep-mask ``[bq, bk]``; the row key is hashed once per row."""
+  bq, bk = bq or plan.block_q, bk or plan.block_kv
+  rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
+  cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
+  key = dropout_lib.row_key(seed, b, h, rows)
+  return dropout_lib.keep_from_row_key(key[:, None], cols[None, :],
+                                       plan.spec.dropout_rate)
