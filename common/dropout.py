@@ -9,6 +9,10 @@ The mixer is the 32-bit finaliser of MurmurHash3 (a bijection with full avalanch
 coordinates are folded in one at a time, each scaled by an odd constant first so that
 neighbouring indices land far apart. ``b`` is the global batch index, ``h`` the global
 *query* head index, ``i``/``j`` the query/key positions.
+
+The keep test compares the top 24 bits of the hash with a 24-bit threshold: both
+are below 2**24, so a backend that compares 32-bit integers as signed (Triton's
+lowering may) decides exactly as one that compares them as unsigned.
 """
 
 from __future__ import annotations
@@ -51,16 +55,17 @@ def row_key(seed, b, h, i):
 
 
 def threshold(rate: float) -> int:
-  """Bits below this value are dropped: P(drop) = threshold / 2**32."""
+  """Top-24-bit values below this are dropped: P(drop) = threshold / 2**24."""
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
-  return min(int(round(rate * 2.0**32)), 2**32 - 1)
+  return min(int(round(rate * 2.0**24)), 2**24 - 1)
 
 
 def keep_from_row_key(key, j, rate: float):
   """Keep-mask for row keys ``key`` and key positions ``j`` (broadcast)."""
   bits = fmix32(key ^ (_u32(j) * jnp.uint32(_K_COL)))
-  return bits >= jnp.uint32(threshold(rate))
+  top = jax.lax.bitcast_convert_type(bits >> 8, jnp.int32)
+  return top >= jnp.int32(threshold(rate))
 
 
 def keep(seed, b, h, i, j, rate: float):
@@ -83,4 +88,4 @@ def keep_numpy(seed: int, b, h, i, j, rate: float) -> np.ndarray:
     x = mix(x ^ (u(h) * np.uint32(_K_HEAD)))
     x = mix(x ^ (u(i) * np.uint32(_K_ROW)))
     bits = mix(x ^ (u(j) * np.uint32(_K_COL)))
-  return bits >= np.uint32(threshold(rate))
+  return (bits >> np.uint32(8)).astype(np.int64) >= threshold(rate)

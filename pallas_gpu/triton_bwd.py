@@ -154,7 +154,8 @@ def backward(x: tp.KernelOperands, plan_dq: tp.Plan, plan_dkv: tp.Plan, cfg_dq,
       ("lse", pl.BlockSpec((None, None, sqp), lambda j, b, h: (b, h, 0)), lse),
       ("delta", pl.BlockSpec((None, None, sqp), lambda j, b, h: (b, h, 0)), delta),
   ] + in_specs(x, plan_dkv, pl.BlockSpec((None, sqp), lambda j, b, h: (b, 0)),
-               pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+               # Whole rows: tiles() slices the kv tile itself.
+               pl.BlockSpec((None, skp), lambda j, b, h: (b, 0)),
                lambda j, b, h: (b, h))
   names = [n for n, _, _ in specs] + ["dk", "dv"]
   # Grouped heads: one partial per query head, summed per group by XLA in fp32.
