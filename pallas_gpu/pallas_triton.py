@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import spec as spec_lib
-from ..common import vjp
+from ..common import epilogue, vjp
 from . import triton_bwd, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
@@ -68,10 +68,6 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
   return dataclasses.replace(base, fwd=fwd)
 
 
-def _sinks_lse(ops):
-  return jax.scipy.special.logsumexp(ops.sinks.astype(jnp.float32), axis=-1)
-
-
 def forward(ops, spec, static: _Static):
   plans = tp.make_plans(spec, static.config)
   plan = plans["fwd"]
@@ -80,11 +76,8 @@ def forward(ops, spec, static: _Static):
   out = out[:, :spec.seq_q, :, :spec.head_dim_v]
   lse = lse[:, :, :spec.seq_q]
   if spec.num_sinks:
-    total = jnp.logaddexp(lse, _sinks_lse(ops)[None, :, None])
-    scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
-    out = (out.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2)[..., None]).astype(
-        out.dtype)
-    lse = total
+    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
+    out = sunk.astype(out.dtype)
   return out, lse
 
 
@@ -92,29 +85,24 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   plans = tp.make_plans(spec, static.config)
   x = tp.prepare(ops, plans["dq"])
   sqp = plans["dq"].seq_q_padded
-  delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32),
-                     out.astype(jnp.float32)) - dlse
+  delta = epilogue.delta(out, do, dlse)
   pad_rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, sqp - spec.seq_q)),
                                      constant_values=fill)
   # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
-  lse_safe = pad_rows(jnp.where(jnp.isfinite(lse), lse, jnp.inf), jnp.inf)
+  lse_safe = pad_rows(epilogue.safe_lse(lse), jnp.inf)
   do_k = jnp.pad(do.astype(ops.q.dtype), ((0, 0), (0, sqp - spec.seq_q), (0, 0),
                                           (0, plans["dq"].head_dim_v_padded -
                                            spec.head_dim_v)))
   dq, dk, dv, ds = triton_bwd.backward(
       x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
       lse_safe, pad_rows(delta, 0.0), static.interpret)
-  dbias = None
+  dbias = dsinks = None
   if ops.bias is not None:
-    shape = ops.bias.shape
-    ds = ds[:, :, :spec.seq_q, :spec.seq_k]
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and ds.shape[a] > 1)
-    dbias = ds.sum(axes, keepdims=True).reshape(shape).astype(ops.bias.dtype)
-  dsinks = None
+    ds = epilogue.reduce_to_shape(ds[:, :, :spec.seq_q, :spec.seq_k],
+                                  ops.bias.shape)
+    dbias = ds.reshape(ops.bias.shape).astype(ops.bias.dtype)
   if spec.num_sinks:
-    p_sink = jnp.exp(ops.sinks.astype(jnp.float32)[None, :, None, :] -
-                     jnp.where(jnp.isfinite(lse), lse, jnp.inf)[..., None])
-    dsinks = -jnp.sum(p_sink * delta[..., None], (0, 2)).astype(ops.sinks.dtype)
+    dsinks = epilogue.sinks_grad(ops.sinks, lse, delta)
   return spec_lib.Operands(
       q=dq[:, :spec.seq_q, :, :spec.head_dim],
       k=dk[:, :spec.seq_k, :, :spec.head_dim],

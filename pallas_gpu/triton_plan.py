@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import dropout as dropout_lib
+from ..common.blocking import pad_axis, pad_broadcastable
 from ..common.mask import band_allowed
 from ..common.spec import AttentionSpec, Operands
 
@@ -170,36 +171,20 @@ class KernelOperands(NamedTuple):
   seed: Any  # [1] int32
 
 
-def _pad(x, axis, size, value=0):
-  extra = size - x.shape[axis]
-  if extra <= 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def pad_rows(x, plan: Plan, axis=1):
-  return _pad(x, axis, plan.seq_q_padded)
-
-
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
   """Pads sequences to block multiples and head dims to powers of two (zeros:
   they add nothing to q.k or to p.v)."""
   dp, dvp = plan.head_dim_padded, plan.head_dim_v_padded
-  pad4 = lambda x, s, d: _pad(_pad(x, 1, s), 3, d)
+  pad4 = lambda x, s, d: pad_axis(pad_axis(x, 1, s), 3, d)
+  pad_seq = lambda x: pad_broadcastable(x, plan.seq_q_padded, plan.seq_k_padded)
   bias = mask = q_ids = kv_ids = seed = None
   if ops.bias is not None:
-    bias = ops.bias.astype(jnp.float32)
-    bias = _pad(bias, 2, plan.seq_q_padded) if bias.shape[2] > 1 else bias
-    bias = _pad(bias, 3, plan.seq_k_padded) if bias.shape[3] > 1 else bias
+    bias = pad_seq(ops.bias.astype(jnp.float32))
   if ops.mask is not None:
-    mask = ops.mask.astype(jnp.int8)
-    mask = _pad(mask, 2, plan.seq_q_padded) if mask.shape[2] > 1 else mask
-    mask = _pad(mask, 3, plan.seq_k_padded) if mask.shape[3] > 1 else mask
+    mask = pad_seq(ops.mask.astype(jnp.int8))
   if ops.q_segment_ids is not None:
-    q_ids = _pad(ops.q_segment_ids, 1, plan.seq_q_padded)
-    kv_ids = _pad(ops.kv_segment_ids, 1, plan.seq_k_padded)
+    q_ids = pad_axis(ops.q_segment_ids, 1, plan.seq_q_padded)
+    kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)
   if ops.dropout_seed is not None:
     seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
   return KernelOperands(pad4(ops.q, plan.seq_q_padded, dp),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import spec as spec_lib
-from ..common import vjp
+from ..common import epilogue, vjp
 from . import backward as bwd_lib
 from . import forward as fwd_lib
 from .config import TpuConfig, default_config
@@ -40,11 +40,6 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
   return None
 
 
-def _sinks_lse(ops, spec):
-  sinks = ops.sinks.astype(jnp.float32)
-  return jax.scipy.special.logsumexp(sinks, axis=-1)[None, :, None]  # [1, Hq, 1]
-
-
 def forward(ops, spec, static: _Static):
   plan = make_plan(spec, static.config.fwd)
   out, lse = fwd_lib.forward(prepare(ops, plan), plan,
@@ -52,11 +47,8 @@ def forward(ops, spec, static: _Static):
   out = jnp.swapaxes(out[:, :, :spec.seq_q], 1, 2)
   lse = lse[:, :, :spec.seq_q, 0]
   if spec.num_sinks:
-    total = jnp.logaddexp(lse, _sinks_lse(ops, spec))
-    scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
-    out = (out.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2)[..., None]).astype(
-        out.dtype)
-    lse = total
+    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
+    out = sunk.astype(out.dtype)
   return out, lse
 
 
@@ -65,25 +57,20 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   x = prepare(ops, plan)
   rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q)),
                                  constant_values=fill)[..., None]
-  delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32),
-                     out.astype(jnp.float32)) - dlse
+  delta = epilogue.delta(out, do, dlse)
   # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
-  lse_safe = rows(jnp.where(jnp.isfinite(lse), lse, jnp.inf), jnp.inf)
+  lse_safe = rows(epilogue.safe_lse(lse), jnp.inf)
   do_k = jnp.pad(jnp.swapaxes(do, 1, 2).astype(ops.q.dtype),
                  ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q), (0, 0)))
   dq, dk, dv, ds = bwd_lib.backward(x, plan, do_k, lse_safe, rows(delta, 0.0),
                                     interpret=static.interpret_params)
-  dbias = None
+  dbias = dsinks = None
   if ops.bias is not None:
-    shape = ops.bias.shape
-    ds = ds[:, :, :spec.seq_q, :spec.seq_k]
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and ds.shape[a] > 1)
-    dbias = ds.sum(axes, keepdims=True).reshape(shape).astype(ops.bias.dtype)
-  dsinks = None
+    ds = epilogue.reduce_to_shape(ds[:, :, :spec.seq_q, :spec.seq_k],
+                                  ops.bias.shape)
+    dbias = ds.reshape(ops.bias.shape).astype(ops.bias.dtype)
   if spec.num_sinks:
-    p_sink = jnp.exp(ops.sinks.astype(jnp.float32)[None, :, None, :] -
-                     jnp.where(jnp.isfinite(lse), lse, jnp.inf)[..., None])
-    dsinks = -jnp.sum(p_sink * delta[..., None], (0, 2)).astype(ops.sinks.dtype)
+    dsinks = epilogue.sinks_grad(ops.sinks, lse, delta)
   unpad = lambda a, s: jnp.swapaxes(a[:, :, :s], 1, 2)
   return spec_lib.Operands(q=unpad(dq, spec.seq_q), k=unpad(dk, spec.seq_k),
                            v=unpad(dv, spec.seq_k), bias=dbias, sinks=dsinks)

@@ -120,7 +120,7 @@ def _dkv_kernel(*refs, plan: Plan, names, q_steps: int):
 
 
 def _q_ranges_steps(plan: Plan) -> int:
-  lo, hi = plan.q_ranges()
+  lo, hi = plan.q_block_ranges()
   return max(1, int((hi - lo).max()))
 
 
@@ -137,7 +137,7 @@ def backward(x: KernelOperands, plan: Plan, do, lse, delta, *, interpret=None):
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
   # -- dq (and ds) -----------------------------------------------------------------
-  kv_lo, kv_hi = (jnp.asarray(a) for a in plan.kv_ranges())
+  kv_lo, kv_hi = (jnp.asarray(a) for a in plan.kv_block_ranges())
   full_grid = x.bias is not None
   prefetch = {"lo": kv_lo, "hi": kv_hi}
   if seg is not None:
@@ -191,7 +191,7 @@ def backward(x: KernelOperands, plan: Plan, do, lse, delta, *, interpret=None):
   dq, ds = res[0], (res[1] if full_grid else None)
 
   # -- dk, dv ------------------------------------------------------------------------
-  q_lo, q_hi = (jnp.asarray(a) for a in plan.q_ranges())
+  q_lo, q_hi = (jnp.asarray(a) for a in plan.q_block_ranges())
   q_steps = _q_ranges_steps(plan)
   prefetch = {"qlo": q_lo, "qhi": q_hi}
   if seg is not None:

@@ -22,7 +22,7 @@ from .plan import Plan, KernelOperands, broadcast_block, broadcast_index, segmen
 
 
 def kv_steps(plan: Plan) -> int:
-  lo, hi = plan.kv_ranges()
+  lo, hi = plan.kv_block_ranges()
   return max(1, int((hi - lo).max()))
 
 
@@ -102,7 +102,7 @@ def forward(x: KernelOperands, plan: Plan, *, interpret=None, count: bool = Fals
   sinks) and, with ``count``, executed kv steps ``[B, Hq, nq, 1]``."""
   spec = plan.spec
   bq, bk, g = plan.block_q, plan.block_kv, spec.group_size
-  lo, hi = (jnp.asarray(t) for t in plan.kv_ranges())
+  lo, hi = (jnp.asarray(t) for t in plan.kv_block_ranges())
   prefetch = [lo, hi]
   seg = segment_ranges(x, plan)
   if seg is not None:

@@ -7,58 +7,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ..common.blocking import BlockGrid, pad_axis, pad_broadcastable
 from ..common.spec import AttentionSpec, Operands
 from .config import BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  spec: AttentionSpec
-  block_q: int
-  block_kv: int
-
-  @property
-  def num_q_blocks(self) -> int:
-    return -(-self.spec.seq_q // self.block_q)
-
-  @property
-  def num_kv_blocks(self) -> int:
-    return -(-self.spec.seq_k // self.block_kv)
-
-  @property
-  def seq_q_padded(self) -> int:
-    return self.num_q_blocks * self.block_q
-
-  @property
-  def seq_k_padded(self) -> int:
-    return self.num_kv_blocks * self.block_kv
-
-  def kv_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per q block, the kv blocks ``[lo, hi)`` the band reaches (``lo = hi = 0``
-    when none)."""
-    lo, hi = [], []
-    for i in range(self.num_q_blocks):
-      a, b = self.spec.band.kv_bounds(i * self.block_q,
-                                      min((i + 1) * self.block_q, self.spec.seq_q))
-      lo.append(a // self.block_kv if b > a else 0)
-      hi.append(-(-b // self.block_kv) if b > a else 0)
-    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
-
-  def q_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per kv block, the q blocks ``[lo, hi)`` that reach it."""
-    lo, hi = [], []
-    for j in range(self.num_kv_blocks):
-      a, b = self.spec.band.q_bounds(j * self.block_kv,
-                                     min((j + 1) * self.block_kv, self.spec.seq_k))
-      lo.append(a // self.block_q if b > a else 0)
-      hi.append(-(-b // self.block_q) if b > a else 0)
-    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
+class Plan(BlockGrid):
+  spec: AttentionSpec = None
 
 
 def make_plan(spec: AttentionSpec, blocks: BlockSizes) -> Plan:
-  return Plan(spec=spec, block_q=blocks.block_q, block_kv=blocks.block_kv)
+  return Plan(band=spec.band, block_q=blocks.block_q, block_kv=blocks.block_kv,
+              spec=spec)
 
 
 class KernelOperands(NamedTuple):
@@ -75,29 +37,13 @@ class KernelOperands(NamedTuple):
   seed: Any  # [1] int32 (scalar prefetch, SMEM)
 
 
-def _pad(x, axis, size, value=0):
-  extra = size - x.shape[axis]
-  if extra <= 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _pad_broadcastable(x, plan: Plan, value=0):
-  if x.shape[2] > 1:
-    x = _pad(x, 2, plan.seq_q_padded, value)
-  if x.shape[3] > 1:
-    x = _pad(x, 3, plan.seq_k_padded, value)
-  return x
-
-
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
-  head_major = lambda x, s: _pad(jnp.swapaxes(x, 1, 2), 2, s)
+  head_major = lambda x, s: pad_axis(jnp.swapaxes(x, 1, 2), 2, s)
+  pad_seq = lambda x: pad_broadcastable(x, plan.seq_q_padded, plan.seq_k_padded)
   q_ids = kv_ids = None
   if ops.q_segment_ids is not None:
-    q_ids = _pad(ops.q_segment_ids, 1, plan.seq_q_padded)[:, :, None]
-    kv_ids = _pad(ops.kv_segment_ids, 1, plan.seq_k_padded)[:, None, :]
+    q_ids = pad_axis(ops.q_segment_ids, 1, plan.seq_q_padded)[:, :, None]
+    kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)[:, None, :]
   seed = None
   if ops.dropout_seed is not None:
     seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
@@ -105,10 +51,8 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
       q=head_major(ops.q, plan.seq_q_padded),
       k=head_major(ops.k, plan.seq_k_padded),
       v=head_major(ops.v, plan.seq_k_padded),
-      bias=None if ops.bias is None else _pad_broadcastable(
-          ops.bias.astype(jnp.float32), plan),
-      mask=None if ops.mask is None else _pad_broadcastable(
-          ops.mask.astype(jnp.int8), plan),
+      bias=None if ops.bias is None else pad_seq(ops.bias.astype(jnp.float32)),
+      mask=None if ops.mask is None else pad_seq(ops.mask.astype(jnp.int8)),
       q_ids=q_ids, kv_ids=kv_ids, seed=seed)
 
 

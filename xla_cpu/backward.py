@@ -12,15 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..common import epilogue
+from ..common.blocking import pad_axis
 from ..common.spec import AttentionSpec, Operands
 from . import blocks
 from .config import XlaConfig
-
-
-def _reduce_to(x, shape):
-  """Sums a block over the axes where the bias/mask layout is broadcast."""
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n > 1)
-  return x.sum(axes, keepdims=True) if axes else x
 
 
 def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do,
@@ -32,14 +28,13 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
   q_lo, q_hi = (jnp.asarray(x) for x in lay.q_block_ranges())
   seg = blocks.segment_ranges(prep, lay)
 
-  o = blocks.to_q_layout(out.astype(acc_dt), lay)
+  row_delta = epilogue.delta(out, do, dlse)
   do = blocks.to_q_layout(do.astype(acc_dt), lay)
-  to_rows = lambda x: blocks._pad_axis(
-      x.astype(acc_dt).reshape(b, hkv, g, spec.seq_q), 3, lay.seq_q_padded)
-  lse = to_rows(lse)
-  delta = (o * do).sum(-1) - to_rows(dlse)
-  # Fully masked rows have lse = -inf: +inf makes every p there exactly 0.
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+  to_rows = lambda x, fill: pad_axis(
+      x.astype(acc_dt).reshape(b, hkv, g, spec.seq_q), 3, lay.seq_q_padded, fill)
+  delta = to_rows(row_delta, 0.0)
+  # Empty and padded rows: lse = +inf makes every p there exactly 0.
+  lse_safe = to_rows(epilogue.safe_lse(lse), jnp.inf)
   keep_scale = 1.0 / (1.0 - spec.dropout_rate)
   scale = spec.softmax_scale
 
@@ -69,7 +64,7 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
       if t is not None:
         ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
       if dbias is not None:
-        db = _reduce_to(ds, dbias.shape)
+        db = epilogue.reduce_to_shape(ds, dbias.shape)
         starts = [0, 0, 0, i * lay.block_q if dbias.shape[3] > 1 else 0,
                   j * lay.block_kv if dbias.shape[4] > 1 else 0]
         old = jax.lax.dynamic_slice(dbias, starts, db.shape)
@@ -103,11 +98,7 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
 
   dsinks = None
   if spec.num_sinks:
-    sinks = ops.sinks.astype(acc_dt).reshape(hkv, g, spec.num_sinks)
-    p_sink = jnp.exp(sinks[None, :, :, None, :] - lse_safe[..., None])
-    valid = (jnp.arange(lay.seq_q_padded) < spec.seq_q)[:, None]
-    dsinks = -jnp.sum(jnp.where(valid, p_sink * delta[..., None], 0.0), (0, 3))
-    dsinks = dsinks.reshape(ops.sinks.shape).astype(ops.sinks.dtype)
+    dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
   return Operands(
       q=blocks.from_q_layout(dq, lay).astype(ops.q.dtype),
       k=blocks.from_kv_layout(dk, lay).astype(ops.k.dtype),

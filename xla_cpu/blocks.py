@@ -10,58 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
+from ..common.blocking import BlockGrid, pad_axis
 from ..common.mask import band_allowed
 from ..common.spec import AttentionSpec, Operands
 from .config import XlaConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(BlockGrid):
   """Static block geometry of one call."""
 
-  spec: AttentionSpec
-  block_q: int
-  block_kv: int
-  compute_dtype: Any  # matmul operands
-  acc_dtype: Any  # accumulation, softmax statistics, bias
-  precision: Any
-
-  @property
-  def num_q_blocks(self) -> int:
-    return -(-self.spec.seq_q // self.block_q)
-
-  @property
-  def num_kv_blocks(self) -> int:
-    return -(-self.spec.seq_k // self.block_kv)
-
-  @property
-  def seq_q_padded(self) -> int:
-    return self.num_q_blocks * self.block_q
-
-  @property
-  def seq_k_padded(self) -> int:
-    return self.num_kv_blocks * self.block_kv
-
-  def kv_block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per q block, the half-open range of kv blocks the band can reach."""
-    lo, hi = [], []
-    for i in range(self.num_q_blocks):
-      a, b = self.spec.band.kv_bounds(i * self.block_q,
-                                      min((i + 1) * self.block_q, self.spec.seq_q))
-      lo.append(a // self.block_kv if b > a else 0)
-      hi.append(-(-b // self.block_kv) if b > a else 0)
-    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
-
-  def q_block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-    """Per kv block, the half-open range of q blocks that can reach it."""
-    lo, hi = [], []
-    for j in range(self.num_kv_blocks):
-      a, b = self.spec.band.q_bounds(j * self.block_kv,
-                                     min((j + 1) * self.block_kv, self.spec.seq_k))
-      lo.append(a // self.block_q if b > a else 0)
-      hi.append(-(-b // self.block_q) if b > a else 0)
-    return np.asarray(lo, np.int32), np.asarray(hi, np.int32)
-
+  spec: AttentionSpec = None
+  compute_dtype: Any = None  # matmul operands
+  acc_dtype: Any = None  # accumulation, softmax statistics, bias
+  precision: Any = None
 
   def partial_blocks(self) -> np.ndarray:
     """``[nq, nk]`` bool: True where the band or the key tail cuts the block, so
@@ -89,9 +51,9 @@ def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
   # Exact fp32 products (no TF32/bf16 passes on accelerators).
   precision = jax.lax.Precision.HIGHEST if dtype.itemsize >= 4 else None
   acc = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
-  return Layout(spec=spec, block_q=min(config.block_q, spec.seq_q),
-                block_kv=min(config.block_kv, spec.seq_k), compute_dtype=dtype,
-                acc_dtype=acc, precision=precision)
+  return Layout(band=spec.band, block_q=min(config.block_q, spec.seq_q),
+                block_kv=min(config.block_kv, spec.seq_k), spec=spec,
+                compute_dtype=dtype, acc_dtype=acc, precision=precision)
 
 
 class Prepared(NamedTuple):
@@ -107,21 +69,12 @@ class Prepared(NamedTuple):
   seed: Any
 
 
-def _pad_axis(x, axis, size, value=0):
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def to_q_layout(x, lay: Layout):
   """[B, Sq, Hq, X] -> [B, Hkv, G, Sqp, X]: blocks along S are contiguous and each
   kv head's query group shares one batched matmul (no K/V repetition)."""
   s = lay.spec
   x = x.reshape(s.batch, s.seq_q, s.heads_kv, s.group_size, x.shape[-1])
-  return _pad_axis(jnp.transpose(x, (0, 2, 3, 1, 4)), 3, lay.seq_q_padded)
+  return pad_axis(jnp.transpose(x, (0, 2, 3, 1, 4)), 3, lay.seq_q_padded)
 
 
 def from_q_layout(x, lay: Layout):
@@ -131,7 +84,7 @@ def from_q_layout(x, lay: Layout):
 
 
 def to_kv_layout(x, lay: Layout):
-  return _pad_axis(jnp.transpose(x, (0, 2, 1, 3)), 2, lay.seq_k_padded)
+  return pad_axis(jnp.transpose(x, (0, 2, 1, 3)), 2, lay.seq_k_padded)
 
 
 def from_kv_layout(x, lay: Layout):
@@ -145,9 +98,9 @@ def _to_grouped(x, lay: Layout, value=0):
   x = x.reshape(bb, s.heads_kv, s.group_size, sqb, skb) if hb > 1 else x.reshape(
       bb, 1, 1, sqb, skb)
   if sqb > 1:
-    x = _pad_axis(x, 3, lay.seq_q_padded, value)
+    x = pad_axis(x, 3, lay.seq_q_padded, value)
   if skb > 1:
-    x = _pad_axis(x, 4, lay.seq_k_padded, value)
+    x = pad_axis(x, 4, lay.seq_k_padded, value)
   return x
 
 
@@ -162,8 +115,8 @@ def prepare(ops: Operands, lay: Layout) -> Prepared:
   dt = lay.compute_dtype
   q_ids = kv_ids = None
   if ops.q_segment_ids is not None:
-    q_ids = _pad_axis(ops.q_segment_ids, 1, lay.seq_q_padded)
-    kv_ids = _pad_axis(ops.kv_segment_ids, 1, lay.seq_k_padded)
+    q_ids = pad_axis(ops.q_segment_ids, 1, lay.seq_q_padded)
+    kv_ids = pad_axis(ops.kv_segment_ids, 1, lay.seq_k_padded)
   return Prepared(
       q=to_q_layout(ops.q.astype(dt), lay),
       k=to_kv_layout(ops.k.astype(dt), lay),

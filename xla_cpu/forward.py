@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..common import epilogue
 from ..common.spec import AttentionSpec, Operands
 from . import blocks
 from .config import XlaConfig
@@ -61,13 +62,8 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   # [nq, B, Hkv, G, bq, X] -> [B, Hkv, G, Sqp, X]
   out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, lay.seq_q_padded, -1)
   lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, lay.seq_q_padded)
-  if spec.num_sinks:
-    sinks = ops.sinks.astype(acc_dt).reshape(hkv, g, spec.num_sinks)
-    lse_sinks = jax.scipy.special.logsumexp(sinks, axis=-1)[None, :, :, None]
-    total = jnp.logaddexp(lse, lse_sinks)
-    # Sinks only enlarge the denominator: rescale by exp(lse_rows - lse_total).
-    out = out * jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)[..., None]
-    lse = total
-  out = blocks.from_q_layout(out, lay).astype(ops.q.dtype)
+  out = blocks.from_q_layout(out, lay)
   lse = lse[..., :spec.seq_q].reshape(b, spec.heads_q, spec.seq_q)
-  return out, lse  # fp32 (fp64 for fp64 inputs)
+  if spec.num_sinks:
+    out, lse = epilogue.add_sinks(out, lse, ops.sinks)
+  return out.astype(ops.q.dtype), lse  # lse fp32 (fp64 for fp64 inputs)

@@ -1,0 +1,50 @@
+"""The math every platform does around its kernels, in XLA: sinks, the backward's
+row term ``delta``, and the reductions of dbias and dsinks.
+
+Sinks only enlarge the softmax denominator, so kernels compute attention without
+them and ``add_sinks`` rescales: ``out *= exp(lse_rows - lse_total)``. In the
+backward a sink has no value, so ``dsink = -sum_rows p_sink * delta``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _acc(x):
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def add_sinks(out, lse, sinks):
+  """``out [B, Sq, Hq, Dv]`` (any float), ``lse [B, Hq, Sq]`` of the rows alone,
+  ``sinks [Hq, n]`` -> output and lse with the sinks in the denominator (fp32)."""
+  acc = _acc(out)
+  lse_sinks = jax.scipy.special.logsumexp(sinks.astype(acc), axis=-1)
+  total = jnp.logaddexp(lse, lse_sinks[None, :, None])
+  scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
+  return out.astype(acc) * jnp.swapaxes(scale, 1, 2)[..., None], total
+
+
+def delta(out, do, dlse):
+  """``rowsum(do * o) - dlse`` as ``[B, Hq, Sq]`` (fp32, fp64 for fp64)."""
+  acc = _acc(out)
+  return jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), out.astype(acc),
+                    precision=jax.lax.Precision.HIGHEST) - dlse.astype(acc)
+
+
+def safe_lse(lse):
+  """+inf on rows with nothing to attend, so ``exp(s - lse)`` is exactly 0 there."""
+  return jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+
+
+def sinks_grad(sinks, lse, row_delta):
+  """dsinks ``[Hq, n]`` from the total lse and delta, both ``[B, Hq, Sq]``."""
+  p_sink = jnp.exp(sinks.astype(_acc(lse))[None, :, None, :] - safe_lse(lse)[..., None])
+  return -jnp.sum(p_sink * row_delta[..., None], (0, 2)).astype(sinks.dtype)
+
+
+def reduce_to_shape(x, shape):
+  """Sums ``x`` over the axes where ``shape`` broadcasts (size 1), keeping rank."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n > 1)
+  return x.sum(axes, keepdims=True) if axes else x
