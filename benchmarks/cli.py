@@ -42,6 +42,9 @@ def _parser():
                  help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
   p.add_argument("--out", help="output folder (default benchmarks/results/<time>)")
   p.add_argument("--no-plot", action="store_true")
+  p.add_argument("--autotune", action="store_true",
+                 help="let tunable flashjax kernels time their candidates first "
+                 "(FLASHJAX_AUTOTUNE=1; winners cached on disk)")
   return p
 
 
@@ -66,6 +69,8 @@ def memory_sweep(seqs, dtype):
 
 def main(argv=None):
   args = _parser().parse_args(argv)
+  if args.autotune:
+    os.environ["FLASHJAX_AUTOTUNE"] = "1"
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
   if args.quick:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ..common import spec as spec_lib
 from ..common import epilogue, vjp
-from . import triton_bwd, triton_fwd
+from . import autotune, triton_bwd, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
 
@@ -42,7 +42,8 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
     cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=4,
                                         num_stages=3))
   elif d <= 128:
-    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=8,
+    # The H200 autotune winner for D = 128 at every S >= 2k (benchmarks/reports).
+    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
                                         num_stages=3),
                        dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                        num_stages=2),
@@ -109,6 +110,21 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
       v=dv[:, :spec.seq_k, :, :spec.head_dim_v], bias=dbias, sinks=dsinks)
 
 
+def resolve_config(spec, config: TritonConfig | None, interpret: bool) -> TritonConfig:
+  """An explicit config, else the autotune cache's winner for this device and shape
+  class, else (with FLASHJAX_AUTOTUNE=1 on a GPU) a fresh tuning run, else the
+  heuristic."""
+  if config is not None:
+    return config
+  cached = autotune.lookup(spec)
+  if cached is not None:
+    return cached
+  if autotune.enabled() and not interpret:
+    return autotune.tune(spec, autotune.random_run(spec, flash_attention),
+                         base=default_config(spec))
+  return default_config(spec)
+
+
 def attention_from_operands(ops, spec, config: TritonConfig | None = None,
                             interpret: bool = False):
   reason = supported(spec)
@@ -116,7 +132,7 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
     raise NotImplementedError(reason)
   if not interpret and jax.default_backend() != "gpu":
     raise NotImplementedError("pallas-triton: needs a GPU, or interpret=True")
-  config = config or default_config(spec)
+  config = resolve_config(spec, config, interpret)
   if not isinstance(config, TritonConfig):
     raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
                      f"{type(config).__name__}")

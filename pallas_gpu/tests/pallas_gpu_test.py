@@ -88,3 +88,35 @@ def test_mosaic_refuses_with_reason():
     mosaic.flash_attention(q, q, q)
   _, s = spec.canonicalize(q, q, q)
   assert "not implemented" in mosaic.supported(s)
+
+
+def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
+  import functools
+  from flashjax.pallas_gpu import autotune
+  monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+  s = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=32,
+                         dtype="float32", causal=True)
+  assert autotune.lookup(s) is None
+  fwd_times = iter([5.0, 3.0, 9.0, 4.0, 7.0, 8.0])
+  bwd_times = iter([2.0, 1.0, 3.0])
+  timer = lambda fn, args: next(bwd_times if len(args) == 3 and getattr(
+      fn, "_grad", False) else fwd_times)
+  run = autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
+                                                 interpret=True))
+
+  def marked(cfg, with_grad):
+    fn, args = run(cfg, with_grad)
+    fn = functools.partial(fn)
+    fn._grad = with_grad
+    return fn, args
+
+  cfg = autotune.tune(s, marked, timer=timer)
+  assert cfg.fwd == autotune.FWD_CANDIDATES[1]
+  assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
+  assert autotune.lookup(s) == cfg  # read back from the JSON file
+  assert pallas_triton.resolve_config(s, None, interpret=True) == cfg
+  other = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=64,
+                             dtype="float32", causal=True)
+  assert autotune.shape_class(other) != autotune.shape_class(s)
+  assert pallas_triton.resolve_config(other, None, interpret=True) == (
+      pallas_triton.default_config(other))
