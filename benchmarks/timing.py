@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flashjax.common import flops, reference, tolerances
+from flashjax.common.timer import time_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
@@ -54,20 +52,6 @@ def functions(fn, causal: bool):
 
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return fwd, fwd_bwd
-
-
-def time_ms(f, args, *, iters: int, repeats: int) -> float:
-  """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls
-  (warm-up, i.e. compilation and first run, excluded)."""
-  jax.block_until_ready(f(*args))
-  samples = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = f(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) * 1e3 / iters)
-  return statistics.median(samples)
 
 
 def compiled_mib(f, args) -> float | None:

@@ -15,12 +15,11 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from ..common import timer as timer_lib
 from .triton_plan import KernelConfig, TritonConfig
 
 FWD_CANDIDATES = (
@@ -96,16 +95,8 @@ def _store(spec, cfg: TritonConfig):
   os.replace(tmp, path)  # atomic: concurrent tuners never leave a torn file
 
 
-def _time_ms(fn, args, iters=5, repeats=3) -> float:
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) * 1e3 / iters)
-  return statistics.median(samples)
+def _time_ms(fn, args) -> float:
+  return timer_lib.time_ms(fn, args, iters=5, repeats=3)
 
 
 def tune(spec, run, *, timer=_time_ms, base: TritonConfig | None = None) -> TritonConfig:
