@@ -32,12 +32,7 @@ class _Static:
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  if spec.dtype not in DTYPES:
-    return f"pallas-tpu: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
-  if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
-    return (f"pallas-tpu: head dim {max(spec.head_dim, spec.head_dim_v)} > "
-            f"{MAX_HEAD_DIM}")
-  return None
+  return spec_lib.unsupported_dtype_or_head_dim(spec, "pallas-tpu", DTYPES, MAX_HEAD_DIM)
 
 
 def forward(ops, spec, static: _Static):
