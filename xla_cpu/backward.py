@@ -25,7 +25,6 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
   prep = blocks.prepare(ops, lay)
   acc_dt = lay.acc_dtype
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
-  q_lo, q_hi = (jnp.asarray(x) for x in lay.q_block_ranges())
   seg = blocks.segment_ranges(prep, lay)
 
   row_delta = epilogue.delta(out, do, dlse)
@@ -79,13 +78,10 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
                            preferred_element_type=acc_dt) * scale
       return dk, dv, dq, dbias
 
-    def maybe_step(i, inner):
-      return blocks.for_each_block(lambda c, pos: step(i, c, pos), prep, lay, seg,
-                                   i, j, inner)
-
     init = (jnp.zeros((b, hkv, lay.block_kv, spec.head_dim), acc_dt),
             jnp.zeros((b, hkv, lay.block_kv, spec.head_dim_v), acc_dt), dq, dbias)
-    dk, dv, dq, dbias = jax.lax.fori_loop(q_lo[j], q_hi[j], maybe_step, init)
+    dk, dv, dq, dbias = blocks.loop_blocks(step, prep, lay, seg, j, init,
+                                           over_kv=False)
     return (dq, dbias), (dk, dv)
 
   dq0 = jnp.zeros((b, hkv, g, lay.seq_q_padded, spec.head_dim), acc_dt)

@@ -40,6 +40,23 @@ class Layout(BlockGrid):
     return out
 
 
+  def split_ranges(self, over_kv: bool) -> tuple[np.ndarray, ...]:
+    """Per outer block, ``(lo, a, b, hi)``: the blocks ``[lo, hi)`` it reaches,
+    of which ``[a, b)`` need no positional mask and the rest do."""
+    partial = self.partial_blocks()
+    lo, hi = self.kv_block_ranges() if over_kv else self.q_block_ranges()
+    if not over_kv:
+      partial = partial.T
+    a, b = hi.copy(), hi.copy()
+    for o in range(len(lo)):
+      inner = np.flatnonzero(~partial[o, lo[o]:hi[o]]) + lo[o]
+      if inner.size:
+        a[o], b[o] = inner[0], inner[-1] + 1
+        # Interior blocks form one run (the band is convex, the tail is last).
+        assert not partial[o, a[o]:b[o]].any(), (o, partial[o])
+    return lo, a, b, hi
+
+
 def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
   if config.compute_dtype is not None:
     dtype = jnp.dtype(config.compute_dtype)
@@ -215,22 +232,31 @@ def segment_ranges(prep: Prepared, lay: Layout):
   return (q.min(-1), q.max(-1)), (kv.min(-1), kv.max(-1))
 
 
-def for_each_block(step, prep: Prepared, lay: Layout, seg, i, j, carry):
-  """Runs ``step(carry, positional)`` on block (i, j): skipped when segment ranges
-  cannot meet, and with the positional mask only where the block needs it."""
-  partial = lay.partial_blocks()
+def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
+                over_kv: bool):
+  """Runs ``step(inner, carry, positional)`` over the blocks that outer block
+  ``outer`` reaches: kv blocks of q block ``outer`` (``over_kv``) or q blocks of
+  kv block ``outer``.
 
-  def run(c):
-    if not partial.any():
-      return step(c, False)
-    if partial.all():
-      return step(c, True)
-    return jax.lax.cond(jnp.asarray(partial)[i, j], lambda c: step(c, True),
-                        lambda c: step(c, False), c)
+  The band and the key tail cut blocks only at both ends of each range, so three
+  loops (partial, interior, partial) apply the positional mask only where it is
+  needed, with no per-block branch. Blocks whose segment ranges cannot meet are
+  skipped with a cond (segment ids are data).
+  """
+  lo, a, b, hi = (jnp.asarray(x)[outer] for x in lay.split_ranges(over_kv))
 
-  if seg is None:
-    return run(carry)
-  return jax.lax.cond(blocks_may_interact(seg, i, j), run, lambda c: c, carry)
+  def body(positional):
+    def run(inner, c):
+      pair = (outer, inner) if over_kv else (inner, outer)
+      if seg is None:
+        return step(inner, c, positional)
+      return jax.lax.cond(blocks_may_interact(seg, *pair),
+                          lambda c: step(inner, c, positional), lambda c: c, c)
+    return run
+
+  carry = jax.lax.fori_loop(lo, a, body(True), carry)
+  carry = jax.lax.fori_loop(a, b, body(False), carry)
+  return jax.lax.fori_loop(b, hi, body(True), carry)
 
 
 def blocks_may_interact(ranges, i, j):

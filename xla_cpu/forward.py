@@ -17,7 +17,6 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   """Returns ``out [B, Sq, Hq, Dv]`` (q's dtype) and ``lse [B, Hq, Sq]`` (fp32)."""
   lay = blocks.make_layout(spec, config)
   prep = blocks.prepare(ops, lay)
-  kv_lo, kv_hi = (jnp.asarray(x) for x in lay.kv_block_ranges())
   seg = blocks.segment_ranges(prep, lay)
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
   acc_dt = lay.acc_dtype
@@ -44,14 +43,10 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
                       preferred_element_type=acc_dt)
       return m_new, l, acc * alpha[..., None] + pv
 
-    def maybe_step(j, carry):
-      return blocks.for_each_block(lambda c, pos: step(j, c, pos), prep, lay, seg,
-                                   i, j, carry)
-
     init = (jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
             jnp.zeros((b, hkv, g, lay.block_q), acc_dt),
             jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt))
-    m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], maybe_step, init)
+    m, l, acc = blocks.loop_blocks(step, prep, lay, seg, i, init, over_kv=True)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if spec.dropout_rate > 0:
