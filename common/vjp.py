@@ -15,6 +15,7 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from . import partition
 from .spec import AttentionSpec, Operands
 
 OUT_NAME = "flashjax_out"
@@ -23,23 +24,31 @@ LSE_NAME = "flashjax_lse"
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, ops: Operands):
-  forward, _, spec, config = static
+  return _run_forward(static, ops)
+
+
+def _run_forward(static, ops):
+  forward, _, spec, config, per_shard = static
+  if per_shard:
+    return partition.forward(forward, ops, spec, config)
   return forward(ops, spec, config)
 
 
 def _fwd(static, ops):
-  forward, _, spec, config = static
-  out, lse = forward(ops, spec, config)
+  out, lse = _run_forward(static, ops)
   out = checkpoint_name(out, OUT_NAME)
   lse = checkpoint_name(lse, LSE_NAME)
   return (out, lse), (ops, out, lse)
 
 
 def _bwd(static, res, cotangents):
-  _, backward, spec, config = static
+  _, backward, spec, config, per_shard = static
   ops, out, lse = res
   do, dlse = cotangents
-  grads = backward(ops, spec, config, out, lse, do, dlse)
+  if per_shard:
+    grads = partition.backward(backward, ops, spec, config, out, lse, do, dlse)
+  else:
+    grads = backward(ops, spec, config, out, lse, do, dlse)
   keep = {"q", "k", "v", "bias", "sinks"}
   return (Operands(*(g if name in keep else None
                      for name, g in zip(Operands._fields, grads))),)
@@ -48,10 +57,13 @@ def _bwd(static, res, cotangents):
 _attention.defvjp(_fwd, _bwd)
 
 
-def attention(forward, backward, ops: Operands, spec: AttentionSpec, config):
+def attention(forward, backward, ops: Operands, spec: AttentionSpec, config, *,
+              per_shard: bool = False):
   """``(out, lse)`` with the platform's forward, differentiated by its backward.
 
   ``forward`` and ``backward`` must be module-level functions (hashable, stable)
-  so that jit caches hit.
+  so that jit caches hit. ``per_shard`` runs them on each device's batch/head shard
+  (common/partition.py): kernel platforms need it, since XLA cannot split their
+  custom calls; plain-XLA platforms are split by XLA itself.
   """
-  return _attention((forward, backward, spec, config), ops)
+  return _attention((forward, backward, spec, config, per_shard), ops)

@@ -131,7 +131,8 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
   if not isinstance(config, TritonConfig):
     raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
                      f"{type(config).__name__}")
-  return vjp.attention(forward, backward, ops, spec, _Static(config, bool(interpret)))
+  return vjp.attention(forward, backward, ops, spec, _Static(config, bool(interpret)),
+                       per_shard=True)
 
 
 def flash_attention(q, k, v, *, config: TritonConfig | None = None,

@@ -86,7 +86,11 @@ def attention_from_operands(ops, spec, config: TpuConfig | None = None,
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
-  return vjp.attention(forward, backward, ops, spec, _static(spec, config, interpret))
+  static = _static(spec, config, interpret)
+  # TPU interpret mode runs on ordered io_callbacks, which a custom_partitioning
+  # lowering cannot hold: interpreted calls leave sharded inputs to XLA (gathered).
+  return vjp.attention(forward, backward, ops, spec, static,
+                       per_shard=not static.interpret)
 
 
 def flash_attention(q, k, v, *, config: TpuConfig | None = None,
