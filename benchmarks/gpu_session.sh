@@ -5,6 +5,7 @@
 #   test [pytest args]   the test suite on the GPU
 #   bench [cli args]     python -m flashjax.benchmarks
 #   info                 versions and devices
+#   py MODULE [args]     python -m MODULE (e.g. flashjax.benchmarks.mosaic_check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
@@ -21,6 +22,8 @@ case "$stage" in
   test)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
       -n "${WORKERS:-4}" "$@" 2>&1 | tee "$out/test.log" | tail -40 ;;
+  py)
+    python3 -m "$@" 2>&1 | tee "$out/py-$1.log" ;;
   bench)
     python3 -m flashjax.benchmarks --out "$out/bench" "$@" 2>&1 | tee "$out/bench.log" ;;
 esac

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from flashjax.common import conformance, spec, tolerances
-from flashjax.pallas_gpu import mosaic, pallas_triton
+from flashjax.pallas_gpu import pallas_triton
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -80,14 +80,6 @@ def test_frontend_runs_it_in_interpret_mode():
                                  platform="pallas-triton", interpret=True)
   tolerances.assert_close(out, reference.attention(q, k, v, causal=True),
                           tolerances.forward("float32"))
-
-
-def test_mosaic_refuses_with_reason():
-  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="not implemented"):
-    mosaic.flash_attention(q, q, q)
-  _, s = spec.canonicalize(q, q, q)
-  assert "not implemented" in mosaic.supported(s)
 
 
 def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):

@@ -1,0 +1,271 @@
+"""Mosaic-GPU forward kernel for Hopper (FlashAttention-3 structure).
+
+One CTA owns ``2 * block_q`` query rows of one (batch, q head) and runs three
+warpgroups: a memory warpgroup streams K/V blocks into a ring of shared-memory
+slots with TMA, and two compute warpgroups each own ``block_q`` rows, run QK^T and
+PV on the tensor cores (wgmma) and keep the online softmax in registers. A
+two-party barrier offsets the compute warpgroups by half a step, so one runs its
+softmax while the other's matmuls occupy the tensor cores (ping-pong).
+
+Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
+warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
+steps still wait for the slot's data and release it, so every thread's barrier
+phases and the ping-pong stay in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from ..common.mask import Band, band_allowed
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static shape of one call (padded: Sq to 2*block_q, Sk to block_kv, D to
+  64/128/256)."""
+
+  batch: int
+  seq_q: int  # real lengths, for masking and ranges
+  seq_k: int
+  seq_q_padded: int
+  seq_k_padded: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int  # padded, q/k and v alike
+  band: Band
+  softmax_scale: float
+  soft_cap: float | None
+  block_q: int  # rows per compute warpgroup
+  block_kv: int
+  stages: int
+  dtype: str
+
+  @property
+  def group(self) -> int:
+    return self.heads_q // self.heads_kv
+
+  @property
+  def num_q_tiles(self) -> int:
+    return self.seq_q_padded // (2 * self.block_q)
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def wg_block_ranges(g: Geometry, r0):
+  """``(lo, a, b, hi)`` kv blocks for rows ``[r0, r0 + block_q)``: blocks
+  ``[lo, hi)`` are reached, ``[a, b)`` need no mask. Empty rows give ``lo = hi``.
+  Works on Python ints and traced int32 scalars alike."""
+  band, bk = g.band, g.block_kv
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  r0 = i32(r0)
+  r_last = jnp.minimum(r0 + g.block_q, g.seq_q) - 1
+  lo_k = i32(0) if band.left is None else jnp.maximum(r0 + band.offset - band.left, 0)
+  hi_k = i32(g.seq_k) if band.right is None else _clamp(
+      r_last + band.offset + band.right + 1, 0, g.seq_k)
+  empty = (hi_k <= lo_k) | (r0 >= g.seq_q)
+  lo = lax.div(jnp.minimum(lo_k, g.seq_k), jnp.int32(bk))
+  hi = jnp.maximum(_cdiv(hi_k, bk), lo)
+  # Interior: every row sees the whole block and the block is inside Sk.
+  first_ok = lo if band.left is None else _cdiv(
+      jnp.maximum(r_last + band.offset - band.left, 0), bk)
+  end_ok = i32(g.seq_k) if band.right is None else jnp.minimum(
+      r0 + band.offset + band.right + 1, g.seq_k)
+  a = _clamp(first_ok, lo, hi)
+  b = _clamp(lax.div(jnp.maximum(end_ok, 0), jnp.int32(bk)), a, hi)
+  lo, a, b, hi = (jnp.where(empty, i32(0), x) for x in (lo, a, b, hi))
+  return lo, a, b, hi
+
+
+def cta_block_ranges(g: Geometry, tile):
+  """Per warpgroup ranges and the CTA's walk ``[lo_c, hi_c)`` (their union)."""
+  r = [tile * (2 * g.block_q) + w * g.block_q for w in (0, 1)]
+  rng = [wg_block_ranges(g, x) for x in r]
+  nonempty = [x[3] > x[0] for x in rng]
+  big = jnp.int32(2**30)
+  lo_c = jnp.minimum(*(jnp.where(ne, x[0], big) for ne, x in zip(nonempty, rng)))
+  hi_c = jnp.maximum(*(jnp.where(ne, x[3], 0) for ne, x in zip(nonempty, rng)))
+  lo_c = jnp.where(nonempty[0] | nonempty[1], lo_c, 0)
+  hi_c = jnp.maximum(hi_c, lo_c)
+  # An empty warpgroup walks the CTA's steps as skips.
+  rng = [tuple(jnp.where(ne, x, lo_c) for x in rg) for ne, rg in zip(nonempty, rng)]
+  return rng, lo_c, hi_c
+
+
+def forward(q, k, v, g: Geometry):
+  """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded) ->
+  ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log)."""
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  dtype = q.dtype
+  scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
+
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
+    b_idx = lax.axis_index("b")
+    h = lax.axis_index("h")
+    # Reverse tile order: the longest causal rows start first.
+    tile = (g.num_q_tiles - 1) - lax.axis_index("qt")
+    wg = lax.axis_index("wg")
+    qo_smem, k_smem, v_smem, lse_smem = smem
+    k_bar, v_bar, q_bar = bars
+    k_free, v_free = free
+    ranges, lo_c, hi_c = cta_block_ranges(g, tile)
+
+    def rendezvous():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+      # 2 x 128 threads x 232 + 128 x 40 fits the SM's 64K registers; 240 would
+      # not, and setmaxnreg then waits forever (seen as a hang at D = 256).
+      plgpu.set_max_registers(232, action="increase")
+      pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
+      lo, a, bb, hi = (pick(i) for i in range(4))
+      r0 = tile * (2 * bq) + wg * bq
+      my_q = qo_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+      l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      pl.when(wg == 1)(rendezvous)
+
+      def step(s, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk_product(acc_ref):
+          plgpu.wgmma(acc_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          rendezvous()
+          return acc_ref[...]
+
+        s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if g.soft_cap is not None:
+          cap = g.soft_cap
+          s2 = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E)
+        else:
+          s2 = s2 * scale2
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                        layout=plgpu.Layout.WGMMA) + r0
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                        layout=plgpu.Layout.WGMMA) + s * bk
+          ok = cols < g.seq_k
+          if not g.band.is_full:
+            ok = ok & band_allowed(rows, cols, g.band)
+          s2 = jnp.where(ok, s2, -jnp.inf)
+        m_new = jnp.maximum(m, s2.max(axis=1))
+        # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(s2 - lax.broadcast_in_dim(shift, s2.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)
+
+        def pv_product(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def skip(s, carry):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        rendezvous()
+        plgpu.barrier_wait(v_bar.at[slot])
+        rendezvous()
+        plgpu.barrier_arrive(v_free.at[slot])
+        return carry
+
+      masked = lambda s, c: step(s, c, True)
+      plain = lambda s, c: step(s, c, False)
+      carry = (acc, m, l)
+      lax.fori_loop(lo_c, lo, skip, None)
+      carry = lax.fori_loop(lo, a, masked, carry)
+      carry = lax.fori_loop(a, bb, plain, carry)
+      carry = lax.fori_loop(bb, hi, masked, carry)
+      lax.fori_loop(hi, hi_c, skip, None)
+      acc, m, l = carry
+      pl.when(wg == 0)(rendezvous)
+
+      has = l > 0.0
+      inv = 1.0 / jnp.where(has, l, 1.0)
+      my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+      lse_smem.at[wg][...] = jnp.where(
+          has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_q, o_ref.at[b_idx, pl.ds(r0, bq), h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_h = lax.div(h, jnp.int32(g.group))
+
+      def load(s, slot):
+        rows = (b_idx, pl.ds(s * bk, bk), kv_h)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
+
+      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
+      def _refill(s):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(s, slot)
+
+  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+        plgpu.SMEM((2, bq), jnp.float32),
+    )
+    bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2))
+    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scoped),
+        smem, bars, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
+              jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
+  return plgpu.kernel(
+      entry, out_type=out_type,
+      grid=(g.num_q_tiles, g.heads_q, g.batch), grid_names=("qt", "h", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v)

@@ -1,0 +1,124 @@
+"""The Mosaic-GPU (Hopper) platform: the conformance suite on a Hopper GPU; on any
+machine, the kernel's block-range logic against the dense band, and every kernel
+variant lowered for CUDA (Mosaic-GPU lowers in Python, so trace and lowering errors
+show up on the CPU machine)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashjax import registry
+from flashjax.common import conformance, spec as spec_lib
+from flashjax.common.mask import Band
+from flashjax.pallas_gpu import mosaic, mosaic_fwd
+
+ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
+                    "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
+class TestPallasMosaicGpu(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(
+      name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
+      features=frozenset({"causal", "window", "soft_cap", "sinks", "lse"}),
+      head_dim_ok=lambda d: d <= 256)
+
+  def attention(self, q, k, v, **kwargs):
+    return mosaic.flash_attention(q, k, v, **kwargs)
+
+
+def _geometry(seq_q, seq_k, left, right, block_kv=64):
+  band = Band(seq_q=seq_q, seq_k=seq_k, left=left, right=right)
+  return mosaic_fwd.Geometry(
+      batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
+      seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=1, heads_kv=1,
+      head_dim=64, band=band, softmax_scale=1.0, soft_cap=None, block_q=64,
+      block_kv=block_kv, stages=2, dtype="bfloat16")
+
+
+BANDS = [(None, None), (None, 0), (32, 0), (0, 0), (100, 20), (5, None), (70, 3)]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,band,block_kv", [
+    (sq, sk, b, bk) for (sq, sk), b, bk in itertools.product(
+        [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 128))])
+def test_block_ranges_match_the_dense_band(seq_q, seq_k, band, block_kv):
+  """Per warpgroup: every block outside [lo, hi) is empty (skipping it is exact)
+  and [a, b) holds only fully allowed in-range blocks (dropping the mask there is
+  exact); the CTA walk [lo_c, hi_c) contains both warpgroups' ranges."""
+  g = _geometry(seq_q, seq_k, *band, block_kv=block_kv)
+  dense = np.asarray(g.band.as_array())
+  nk = g.seq_k_padded // block_kv
+  for tile in range(g.num_q_tiles):
+    rng, lo_c, hi_c = mosaic_fwd.cta_block_ranges(g, tile)
+    for w in (0, 1):
+      lo, a, b, hi = (int(x) for x in rng[w])
+      assert int(lo_c) <= lo <= a <= b <= hi <= int(hi_c) <= nk
+      r0 = tile * 128 + w * 64
+      rows = dense[r0:min(r0 + 64, seq_q)]
+      for j in range(nk):
+        blk = rows[:, j * block_kv:(j + 1) * block_kv]
+        full = blk.shape[1] == block_kv and blk.size and blk.all()
+        if not lo <= j < hi:
+          assert not blk.any(), (tile, w, j)
+        if a <= j < b:
+          assert full, (tile, w, j)
+
+
+VARIANTS = [
+    dict(), dict(causal=True), dict(head_dim=64, causal=True), dict(head_dim=256),
+    dict(head_dim=96, seq_q=300, seq_k=700, sliding_window=(100, 20)),
+    dict(logits_soft_cap=20.0, heads_q=4, heads_kv=1), dict(dtype="float16"),
+    dict(sinks=True, causal=True),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_every_variant_lowers_for_cuda(variant):
+  kw = dict(variant)
+  shape = dict(batch=1, seq_q=kw.pop("seq_q", 256), seq_k=kw.pop("seq_k", 256),
+               heads_q=kw.pop("heads_q", 2), heads_kv=kw.pop("heads_kv", 2),
+               head_dim=kw.pop("head_dim", 128))
+  dtype = kw.pop("dtype", "bfloat16")
+  sinks = kw.pop("sinks", False)
+  sd = jax.ShapeDtypeStruct
+  q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
+  k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
+  extra = (sd((shape["heads_q"], 1), jnp.float32),) if sinks else ()
+
+  def fwd(q, k, v, *sinks):
+    ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
+    assert mosaic.supported(spec) is None
+    static = mosaic._Static(mosaic.default_config(spec), None)
+    return mosaic.forward(ops, spec, static)
+
+  text = jax.jit(fwd).trace(q, k, k, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_supported_reasons():
+  s = lambda **kw: spec_lib.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2,
+                                          head_dim=kw.pop("d", 64), **kw)
+  assert mosaic.supported(s()) is None
+  assert "dtype float32" in mosaic.supported(s(dtype="float32"))
+  assert "head dim 512" in mosaic.supported(s(d=512))
+  assert "segment_ids" in mosaic.supported(s(segment_ids=(
+      jax.ShapeDtypeStruct((1, 64), jnp.int32),) * 2))
+  assert "dropout" in mosaic.supported(s(dropout_rate=0.1))
+  if not ON_HOPPER:
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="Hopper"):
+      mosaic.flash_attention(q, q, q)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_q"):
+    mosaic.MosaicConfig(block_q=128)
+  with pytest.raises(ValueError, match="block_kv"):
+    mosaic.MosaicConfig(block_kv=96)
+  with pytest.raises(ValueError, match="stages"):
+    mosaic.MosaicConfig(stages=1)
