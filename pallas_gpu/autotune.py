@@ -38,6 +38,31 @@ BWD_CANDIDATES = (
      KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
 )
 
+# D > 128: q/k/v/do tiles of 256 columns leave room for narrow tiles only.
+WIDE_FWD_CANDIDATES = (
+    KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2),
+    KernelConfig(block_q=128, block_kv=32, num_warps=8, num_stages=2),
+    KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=3),
+)
+WIDE_BWD_CANDIDATES = (
+    (KernelConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),) * 2,
+    (KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+     KernelConfig(block_q=32, block_kv=64, num_warps=4, num_stages=2)),
+    (KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),
+     KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2)),
+    (KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=1),) * 2,
+    (KernelConfig(block_q=128, block_kv=32, num_warps=8, num_stages=1),
+     KernelConfig(block_q=32, block_kv=128, num_warps=8, num_stages=1)),
+)
+
+
+def candidates(spec):
+  """``(forward, backward)`` candidate lists for ``spec``'s head dim."""
+  if max(spec.head_dim, spec.head_dim_v) > 128:
+    return WIDE_FWD_CANDIDATES, WIDE_BWD_CANDIDATES
+  return FWD_CANDIDATES, BWD_CANDIDATES
+
 
 def enabled() -> bool:
   return os.environ.get("FLASHJAX_AUTOTUNE", "").lower() in ("1", "true", "on")
@@ -127,10 +152,15 @@ def _tune(spec, run, timer, base):
       raise NotImplementedError("pallas-triton autotune: no candidate ran")
     return min(timed, key=lambda t: t[0])[1]
 
-  fwd = best([dataclasses.replace(base, fwd=c) for c in FWD_CANDIDATES], False).fwd
+  fwd_cands, bwd_cands = candidates(spec)
+  # The base config competes too, so tuning never picks worse than the default.
+  fwd_cands = (base.fwd,) + tuple(c for c in fwd_cands if c != base.fwd)
+  bwd_cands = ((base.dq, base.dkv),) + tuple(c for c in bwd_cands
+                                             if c != (base.dq, base.dkv))
+  fwd = best([dataclasses.replace(base, fwd=c) for c in fwd_cands], False).fwd
   with_fwd = dataclasses.replace(base, fwd=fwd)
   cfg = best([dataclasses.replace(with_fwd, dq=dq, dkv=dkv)
-              for dq, dkv in BWD_CANDIDATES], True)
+              for dq, dkv in bwd_cands], True)
   _store(spec, cfg)
   return cfg
 

@@ -24,6 +24,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from ..common import compat
 from ..common.mask import Band, band_allowed
 
 LOG2E = math.log2(math.e)
@@ -147,15 +148,22 @@ def forward(q, k, v, g: Geometry):
                             plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+      pl.when(lo_c < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[0]))
       pl.when(wg == 1)(rendezvous)
+
+      def wait_next_k(s):
+        # Invariant: when step s starts, K of step s has been waited for. The wait
+        # for s + 1 is issued while step s's PV product runs on the tensor cores.
+        nxt = s + 1
+        pl.when(nxt < hi_c)(
+            lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo_c, jnp.int32(stages))]))
 
       def step(s, carry, masked: bool):
         acc, m, l = carry
         slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(k_bar.at[slot])
 
         def qk_product(acc_ref):
-          plgpu.wgmma(acc_ref, my_q, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
           rendezvous()
           return acc_ref[...]
 
@@ -163,9 +171,11 @@ def forward(q, k, v, g: Geometry):
         plgpu.barrier_arrive(k_free.at[slot])
         if g.soft_cap is not None:
           cap = g.soft_cap
-          s2 = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E)
+          s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
         else:
-          s2 = s2 * scale2
+          # The scale rides in the exp2 argument (one FMA per element); the row
+          # max commutes with a positive scale.
+          mult = scale2
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
                                         layout=plgpu.Layout.WGMMA) + r0
@@ -175,11 +185,11 @@ def forward(q, k, v, g: Geometry):
           if not g.band.is_full:
             ok = ok & band_allowed(rows, cols, g.band)
           s2 = jnp.where(ok, s2, -jnp.inf)
-        m_new = jnp.maximum(m, s2.max(axis=1))
+        m_new = jnp.maximum(m, s2.max(axis=1) * mult)
         # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(s2 - lax.broadcast_in_dim(shift, s2.shape, [0]))
+        p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha + p.sum(axis=1)
         p16 = p.astype(dtype)
@@ -190,6 +200,7 @@ def forward(q, k, v, g: Geometry):
 
         def pv_product(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k(s)
 
         acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])
@@ -197,8 +208,8 @@ def forward(q, k, v, g: Geometry):
 
       def skip(s, carry):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
+        wait_next_k(s)
         rendezvous()
         plgpu.barrier_wait(v_bar.at[slot])
         rendezvous()

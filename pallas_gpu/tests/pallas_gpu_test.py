@@ -102,7 +102,10 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     fn._grad = with_grad
     return fn, args
 
-  cfg = autotune.tune(s, marked, timer=timer)
+  # A base equal to the first candidates keeps the candidate order as listed.
+  base = TritonConfig(fwd=autotune.FWD_CANDIDATES[0], dq=autotune.BWD_CANDIDATES[0][0],
+                      dkv=autotune.BWD_CANDIDATES[0][1])
+  cfg = autotune.tune(s, marked, timer=timer, base=base)
   assert cfg.fwd == autotune.FWD_CANDIDATES[1]
   assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
   assert autotune.lookup(s) == cfg  # read back from the JSON file
@@ -112,3 +115,23 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   assert autotune.shape_class(other) != autotune.shape_class(s)
   assert pallas_triton.resolve_config(other, None, interpret=True) == (
       pallas_triton.default_config(other))
+
+
+def test_autotune_candidates_follow_head_dim_and_include_the_default():
+  from flashjax.pallas_gpu import autotune
+  wide = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=256)
+  narrow = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=128)
+  assert autotune.candidates(wide) == (autotune.WIDE_FWD_CANDIDATES,
+                                       autotune.WIDE_BWD_CANDIDATES)
+  assert autotune.candidates(narrow) == (autotune.FWD_CANDIDATES,
+                                         autotune.BWD_CANDIDATES)
+  seen = []
+  base = pallas_triton.default_config(wide)
+
+  def run(cfg, with_grad):
+    seen.append((with_grad, cfg))
+    raise RuntimeError("does not fit")  # every candidate fails: tune must say so
+
+  with pytest.raises(NotImplementedError, match="no candidate ran"):
+    autotune.tune(wide, run, timer=lambda fn, args: 1.0, base=base)
+  assert seen[0] == (False, base)  # the default is timed first

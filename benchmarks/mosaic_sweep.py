@@ -1,0 +1,50 @@
+"""Device-run sweep of Mosaic-GPU forward configs on a shape set, with cuDNN timed
+in the same process for ratios.
+
+  python -m flashjax.benchmarks.mosaic_sweep [shape_set] [block_kv:stages ...]
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from flashjax.common import flops, shapes
+from flashjax.common.mask import Band
+from flashjax.common.timer import time_ms
+from flashjax.pallas_gpu import mosaic
+
+DEFAULT = ["128:2", "128:3", "64:2", "64:3", "64:4"]
+
+
+def main():
+  set_name = sys.argv[1] if len(sys.argv) > 1 else "standard"
+  cands = [tuple(map(int, c.split(":"))) for c in (sys.argv[2:] or DEFAULT)]
+  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+  for shp in shapes.get(set_name):
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
+                          jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
+                              jnp.bfloat16) for kk in ks[1:])
+    band = Band(seq_q=shp.seq_q, seq_k=shp.seq_k, right=0 if shp.causal else None)
+    fl = flops.forward_flops(batch=shp.batch, heads_q=shp.heads_q,
+                             head_dim=shp.head_dim, band=band)
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=shp.causal, implementation="cudnn"))
+    base = time_ms(ref, (q, k, v), iters=10, repeats=5)
+    row = [f"{shp.name:26s} cudnn {fl / base / 1e9:4.0f}"]
+    for bk, st in cands:
+      try:
+        cfg = mosaic.MosaicConfig(block_kv=bk, stages=st)
+        f = jax.jit(lambda q, k, v: mosaic.flash_attention(q, k, v, causal=shp.causal,
+                                                           config=cfg))
+        t = time_ms(f, (q, k, v), iters=10, repeats=5)
+        row.append(f"{bk}:{st} {fl / t / 1e9:4.0f} ({base / t:.2f}x)")
+      except Exception as e:  # a config that does not fit is reported, not fatal
+        row.append(f"{bk}:{st} ERR {type(e).__name__}: {str(e)[:60]}")
+    print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()
