@@ -180,7 +180,9 @@ def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
     flashjax.flash_attention(q, k, v)
   _close(out, reference.attention(q, k, v))
   msgs = [r.message for r in caplog.records if "running xla" in r.message]
-  assert len(msgs) == 1 and "triton" in msgs[0] and "not implemented" in msgs[0]
+  # triton cannot run on CPU: not installed, no GPU jaxlib, or no GPU; the log says.
+  assert len(msgs) == 1 and "triton:" in msgs[0] and any(
+      why in msgs[0] for why in ("not installed", "does not import", "needs a GPU"))
 
 
 def test_explicit_platform_that_cannot_run_raises_with_reason():

@@ -1,23 +1,72 @@
-"""Triton kernels called through jax-triton. Not implemented yet: every call raises NotImplementedError,
-so the frontend moves on to the next platform."""
+"""The ``triton`` platform: Triton kernels written for flashjax (kernels.py), called
+through jax-triton. Default on non-Hopper NVIDIA GPUs.
+
+This module imports neither triton nor jax-triton: ``supported`` reports them
+missing with the reason, and the kernels load on the first call. Bias, dense masks
+and dropout are not in these kernels yet and raise NotImplementedError, so the
+frontend routes such calls to Pallas-Triton.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
+from ..common import spec as spec_lib
+from .plan import Launch, TritonKernelsConfig, default_config
+
 NAME = "triton_gpu"
-_REASON = "triton_gpu: not implemented yet"
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_HEAD_DIM = 256
+UNSUPPORTED = ("bias", "mask", "dropout")
+
+__all__ = ["Launch", "TritonKernelsConfig", "attention_from_operands",
+           "config_from_block_sizes", "default_config", "flash_attention", "supported"]
+
+
+def missing_dependency() -> str | None:
+  for module, dist in (("triton", "triton>=3.6"), ("jax_triton", "jax-triton>=0.3.1")):
+    if importlib.util.find_spec(module) is None:
+      return f"triton: {dist} is not installed (pip install 'flashjax[triton]')"
+  return None
 
 
 def supported(spec) -> str | None:
-  """None if this platform can run `spec`, else the reason it cannot."""
-  del spec
-  return _REASON
+  """None if this platform can run ``spec``, else the reason it cannot."""
+  reason = missing_dependency()
+  if reason:
+    return reason
+  reason = spec_lib.unsupported_dtype_or_head_dim(spec, "triton", DTYPES, MAX_HEAD_DIM)
+  if reason:
+    return reason
+  used = sorted(spec.features & set(UNSUPPORTED))
+  if used:
+    return f"triton: features {', '.join(used)} not in these kernels yet"
+  return None
 
 
-def attention_from_operands(ops, spec, config=None):
-  del ops, spec, config
-  raise NotImplementedError(_REASON)
+def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonKernelsConfig:
+  """jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default (forward)."""
+  base = default_config(spec)
+  return dataclasses.replace(base, fwd=dataclasses.replace(
+      base.fwd, block_q=block_q or base.fwd.block_q,
+      block_kv=block_kv or base.fwd.block_kv))
 
 
-def flash_attention(q, k, v, **kwargs):
-  del q, k, v, kwargs
-  raise NotImplementedError(_REASON)
+def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):
+  reason = supported(spec)
+  if reason:
+    raise NotImplementedError(reason)
+  try:
+    from . import attention  # imports triton and jax-triton
+  except ImportError as e:  # e.g. jax-triton without a GPU jaxlib
+    raise NotImplementedError(f"triton: jax-triton does not import here ({e})") from e
+  return attention.attention_from_operands(ops, spec, config)
+
+
+def flash_attention(q, k, v, *, config: TritonKernelsConfig | None = None, **kwargs):
+  """Triton flash attention through jax-triton; the contract of DESIGN.md minus
+  bias, dense masks and dropout."""
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  out, lse = attention_from_operands(ops, spec, config)
+  return (out, lse) if spec.return_lse else out

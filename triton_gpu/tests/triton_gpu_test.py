@@ -1,15 +1,185 @@
-"""Until kernels land, the platform must refuse every call with a reason."""
+"""The triton platform: the conformance suite on a GPU; on any machine, every kernel
+variant compiled for sm_80 and sm_90 by Triton's compiler (no GPU needed), the
+block tables against the dense band, the unavailable-platform reason and the
+seed's environment variables."""
 
+import dataclasses
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashjax import triton_gpu
-from flashjax.common import spec
+from flashjax.common import conformance, spec as spec_lib
+from flashjax.triton_gpu import plan
+
+ON_GPU = jax.default_backend() == "gpu"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def test_refuses_with_reason():
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+class TestTritonGpu(conformance.ConformanceSuite):
+  CAPS = conformance.Capabilities(
+      name="triton[gpu]", head_dim_ok=lambda d: d <= 256,
+      features=frozenset({"causal", "window", "segment_ids", "soft_cap", "sinks",
+                          "lse"}))
+
+  def attention(self, q, k, v, **kwargs):
+    return triton_gpu.flash_attention(q, k, v, **kwargs)
+
+
+def _spec(**kw):
+  base = dict(batch=2, seq_q=300, seq_k=300, heads_q=4, heads_kv=2, head_dim=128,
+              dtype="bfloat16")
+  base.update(kw)
+  return spec_lib.abstract_spec(**base)
+
+
+VARIANTS = [
+    ("bfloat16", 128, {}), ("bfloat16", 128, dict(causal=True)),
+    ("float16", 64, dict(sliding_window=(40, 8), segment_ids=True)),
+    ("float32", 256, dict(logits_soft_cap=30.0, heads_kv=1)),
+    ("bfloat16", 96, dict(seq_q=77, seq_k=200, causal=True, logits_soft_cap=5.0)),
+]
+TY = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-D{v[1]}-{v[2]}")
+def test_every_kernel_compiles_for_ampere_and_hopper(variant, arch):
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from flashjax.triton_gpu import kernels
+  dtype, d, kw = variant
+  kw = dict(kw)
+  if kw.pop("segment_ids", False):
+    kw["segment_ids"] = (jax.ShapeDtypeStruct((2, kw.get("seq_q", 300)), jnp.int32),
+                         jax.ShapeDtypeStruct((2, kw.get("seq_k", 300)), jnp.int32))
+  spec = _spec(head_dim=d, dtype=dtype, **kw)
+  assert triton_gpu.supported(spec) is None or "not installed" in triton_gpu.supported(spec)
+  cfg = triton_gpu.default_config(spec)
+  geo = plan.Geometry.of(spec, cfg)
+  band = spec.band
+  t, f32, i32 = TY[dtype], "*fp32", "*i32"
+  args = {
+      kernels.fwd_kernel: (cfg.fwd, [t, t, t, i32, i32, i32, t, f32]),
+      kernels.dq_kernel: (cfg.dq, [t, t, t, t, f32, f32, i32, i32, i32, t]),
+      kernels.dkv_kernel: (cfg.dkv, [t, t, t, t, f32, f32, i32, i32, i32, t, t]),
+  }
+  for fn, (launch, ptrs) in args.items():
+    constexprs = dict(
+        SQ=geo.seq_q_padded, SK=geo.seq_k_padded, HQ=spec.heads_q, HKV=spec.heads_kv,
+        D=geo.head_dim_padded, DV=geo.head_dim_v_padded, BM=launch.block_q,
+        BN=launch.block_kv, SEQ_K=spec.seq_k, SCALE=spec.softmax_scale,
+        CAP=float(spec.logits_soft_cap or 1.0), HAS_CAP=spec.logits_soft_cap is not None,
+        HAS_SEG=spec.has_segment_ids, HAS_LEFT=band.left is not None,
+        LEFT=int(band.left or 0), HAS_RIGHT=band.right is not None,
+        RIGHT=int(band.right or 0), OFFSET=band.offset,
+        PRECISION="ieee" if dtype == "float32" else None)
+    names = list(fn.arg_names)
+    signature = dict(zip(names, ptrs))
+    signature.update({n: "constexpr" for n in constexprs})
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=launch.num_warps,
+                                           num_stages=launch.num_stages))
+    assert compiled.asm["cubin"], fn.__name__
+
+
+BANDS = [(None, None), (None, 0), (32, 0), (0, 0), (100, 20), (5, None)]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,band", [
+    (sq, sk, b) for (sq, sk), b in itertools.product(
+        [(256, 256), (200, 333), (333, 200), (40, 500)], BANDS)])
+def test_block_tables_match_the_dense_band(seq_q, seq_k, band):
+  """Blocks outside [lo, hi) are empty (skipping is exact); blocks in [a, b) are
+  fully allowed and inside Sk (dropping the mask is exact); both directions."""
+  kw = {}
+  if band != (None, None):
+    kw = dict(causal=True) if band == (None, 0) else dict(sliding_window=band)
+  spec = _spec(seq_q=seq_q, seq_k=seq_k, **kw)
+  dense = np.asarray(spec.band.as_array())
+  geo = plan.Geometry(spec, 64, 32)
+  for bq, bk in ((64, 32), (32, 32), (16, 32)):
+    for i, (lo, a, b, hi) in enumerate(geo.kv_table(bq, bk)):
+      assert lo <= a <= b <= hi <= geo.seq_k_padded // bk
+      rows = dense[i * bq:min((i + 1) * bq, seq_q)]
+      for j in range(geo.seq_k_padded // bk):
+        blk = rows[:, j * bk:(j + 1) * bk]
+        if not lo <= j < hi:
+          assert not blk.any(), ("kv", i, j)
+        if a <= j < b:
+          assert blk.shape[1] == bk and blk.all(), ("kv-interior", i, j)
+    for j, (lo, a, b, hi) in enumerate(geo.q_table(bq, bk)):
+      assert lo <= a <= b <= hi <= geo.seq_q_padded // bq
+      cols = dense[:, j * bk:min((j + 1) * bk, seq_k)]
+      for i in range(geo.seq_q_padded // bq):
+        blk = cols[i * bq:(i + 1) * bq]
+        if not lo <= i < hi:
+          assert not blk.any(), ("q", i, j)
+        if a <= i < b:
+          assert blk.shape == (bq, bk) and blk.all(), ("q-interior", i, j)
+
+
+def test_supported_reasons(monkeypatch):
+  # The dependency check comes first; either reason names why it cannot run.
+  for s, why in ((_spec(bias=jax.ShapeDtypeStruct((1, 1, 300, 300), jnp.float32)),
+                  "bias"), (_spec(head_dim=512), "head dim 512")):
+    reason = triton_gpu.supported(s)
+    assert reason and (why in reason or "not installed" in reason), reason
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "jax_triton" else real(name, *a))
+  reason = triton_gpu.supported(_spec())
+  assert "jax-triton" in reason and "not installed" in reason
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="triton_gpu"):
+  with pytest.raises(NotImplementedError, match="jax-triton"):
     triton_gpu.flash_attention(q, q, q)
-  _, s = spec.canonicalize(q, q, q)
-  assert "triton_gpu" in triton_gpu.supported(s)
+
+
+def test_unsupported_features_are_named():
+  if not HAS_TRITON or importlib.util.find_spec("jax_triton") is None:
+    pytest.skip("the feature check comes after the dependency check")
+  reason = triton_gpu.supported(_spec(dropout_rate=0.1))
+  assert "dropout" in reason
+
+
+def test_blocksize_environment_variables(monkeypatch):
+  monkeypatch.setenv("BLOCKSIZE_M_FLASH_ATTN", "32")
+  monkeypatch.setenv("BLOCKSIZE_N_FLASH_ATTN", "16")
+  cfg = triton_gpu.default_config(_spec())
+  assert (cfg.fwd.block_q, cfg.fwd.block_kv) == (32, 16)
+  cfg = triton_gpu.config_from_block_sizes(_spec(), 64, 32)
+  assert (cfg.fwd.block_q, cfg.fwd.block_kv) == (64, 32)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_q must be a power of two"):
+    plan.Launch(block_q=48, block_kv=32)
+  with pytest.raises(ValueError, match="fp32_precision"):
+    plan.TritonKernelsConfig(fp32_precision="bf16")
+
+
+def test_import_of_the_frontend_does_not_import_triton():
+  code = ("import sys, flashjax, flashjax.triton_gpu; "
+          "assert 'triton' not in sys.modules and 'jax_triton' not in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="jax-triton imports only with a GPU jaxlib")
+def test_seed_environment_variables_on_gpu(tmp_path):
+  code = ("import os, flashjax.triton_gpu.attention as a, jax_triton.triton_lib as t; "
+          f"assert os.environ['TRITON_CACHE_DIR'] == {str(tmp_path / 'c')!r}; "
+          f"assert t._JAX_TRITON_DUMP_DIR == {str(tmp_path / 'd')!r}; "
+          "os.environ['GPU_IDX_FLASH_ATTN'] = '0'; assert a._compute_capability() >= 80")
+  env = dict(os.environ, CACHE_TRITON_KERNELS="1", TRITON_CACHE_DIR=str(tmp_path / "c"),
+             _JAX_TRITON_DUMP_DIR=str(tmp_path / "d"))
+  subprocess.run([sys.executable, "-c", code], check=True, env=env)

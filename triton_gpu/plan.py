@@ -1,0 +1,154 @@
+"""Configs, padding and block-range tables of the triton_gpu kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..common.spec import AttentionSpec
+
+
+def _pow2(name, value, lo=16):
+  if not isinstance(value, int) or value < lo or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+  """One kernel's tiles (powers of two: Triton's tl.arange needs them) and launch
+  parameters."""
+
+  block_q: int
+  block_kv: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _pow2("block_q", self.block_q)
+    _pow2("block_kv", self.block_kv)
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages must be a positive int, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonKernelsConfig:
+  """Forward, dq and dkv launches; ``fp32_precision`` "ieee" keeps fp32 products
+  exact, "tf32" trades mantissa bits for speed."""
+
+  fwd: Launch = Launch(block_q=128, block_kv=64, num_warps=4, num_stages=3)
+  dq: Launch = Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2)
+  dkv: Launch = Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2)
+  fp32_precision: str = "ieee"
+
+  def __post_init__(self):
+    if self.fp32_precision not in ("ieee", "tf32"):
+      raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
+                       f"{self.fp32_precision!r}")
+
+
+def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
+  """Tiles by head dim, overridden by jax-flash-attn2's BLOCKSIZE_M_FLASH_ATTN /
+  BLOCKSIZE_N_FLASH_ATTN (forward tiles)."""
+  d = max(spec.head_dim, spec.head_dim_v)
+  if d <= 64:
+    cfg = TritonKernelsConfig(fwd=Launch(block_q=128, block_kv=64, num_warps=4,
+                                         num_stages=3))
+  elif d <= 128:
+    cfg = TritonKernelsConfig(fwd=Launch(block_q=128, block_kv=64, num_warps=8,
+                                         num_stages=3))
+  else:
+    cfg = TritonKernelsConfig(
+        fwd=Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+        dq=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),
+        dkv=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1))
+  m = os.environ.get("BLOCKSIZE_M_FLASH_ATTN")
+  n = os.environ.get("BLOCKSIZE_N_FLASH_ATTN")
+  if m or n:
+    cfg = dataclasses.replace(cfg, fwd=dataclasses.replace(
+        cfg.fwd, block_q=int(m) if m else cfg.fwd.block_q,
+        block_kv=int(n) if n else cfg.fwd.block_kv))
+  fit = lambda n: max(16, 1 << (n - 1).bit_length())
+  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
+                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
+  return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Padded sizes shared by the three kernels (sequences padded to the largest
+  tile, head dims to powers of two)."""
+
+  spec: AttentionSpec
+  pad_q: int
+  pad_k: int
+
+  @classmethod
+  def of(cls, spec, config: TritonKernelsConfig):
+    launches = (config.fwd, config.dq, config.dkv)
+    return cls(spec, max(c.block_q for c in launches), max(c.block_kv for c in launches))
+
+  @property
+  def seq_q_padded(self):
+    return -(-self.spec.seq_q // self.pad_q) * self.pad_q
+
+  @property
+  def seq_k_padded(self):
+    return -(-self.spec.seq_k // self.pad_k) * self.pad_k
+
+  @property
+  def head_dim_padded(self):
+    return max(16, 1 << (self.spec.head_dim - 1).bit_length())
+
+  @property
+  def head_dim_v_padded(self):
+    return max(16, 1 << (self.spec.head_dim_v - 1).bit_length())
+
+  def kv_table(self, bq: int, bk: int) -> np.ndarray:
+    """``[nq, 4]`` int32: per q block, kv blocks ``lo <= a <= b <= hi``: [lo, hi)
+    reachable, [a, b) needing no positional mask."""
+    band, sk = self.spec.band, self.spec.seq_k
+    nq, nk = self.seq_q_padded // bq, self.seq_k_padded // bk
+    out = np.zeros((nq, 4), np.int32)
+    for i in range(nq):
+      r0 = i * bq
+      r1 = min(r0 + bq, self.spec.seq_q)
+      if r0 >= self.spec.seq_q:
+        continue
+      lo_k, hi_k = band.kv_bounds(r0, r1)
+      if hi_k <= lo_k:
+        continue
+      lo, hi = lo_k // bk, min(nk, -(-hi_k // bk))
+      full_lo = band.kv_bounds(r1 - 1, r1)[0]  # last row's first key
+      full_hi = min(band.kv_bounds(r0, r0 + 1)[1], (sk // bk) * bk)  # first row's end
+      a = min(max(-(-full_lo // bk), lo), hi)
+      b = min(max(full_hi // bk, a), hi)
+      out[i] = (lo, a, b, hi)
+    return out
+
+  def q_table(self, bq: int, bk: int) -> np.ndarray:
+    """``[nk, 4]``: the transpose, per kv block over q blocks."""
+    band, sq, sk = self.spec.band, self.spec.seq_q, self.spec.seq_k
+    nq, nk = self.seq_q_padded // bq, self.seq_k_padded // bk
+    out = np.zeros((nk, 4), np.int32)
+    for j in range(nk):
+      c0 = j * bk
+      c1 = min(c0 + bk, sk)
+      if c0 >= sk:
+        continue
+      lo_r, hi_r = band.q_bounds(c0, c1)
+      if hi_r <= lo_r:
+        continue
+      lo, hi = lo_r // bq, min(nq, -(-hi_r // bq))
+      if c0 + bk > sk:  # padded keys in this block: mask every q block
+        out[j] = (lo, hi, hi, hi)
+        continue
+      full_lo = band.q_bounds(c1 - 1, c1)[0]  # last key's first row
+      full_hi = min(band.q_bounds(c0, c0 + 1)[1], (sq // bq) * bq)
+      a = min(max(-(-full_lo // bq), lo), hi)
+      b = min(max(full_hi // bq, a), hi)
+      out[j] = (lo, a, b, hi)
+    return out
