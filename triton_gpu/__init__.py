@@ -57,6 +57,10 @@ def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
+  import jax
+  from . import autotune
+  config = autotune.resolve_config(spec, config, flash_attention,
+                                   on_gpu=jax.default_backend() == "gpu")
   try:
     from . import attention  # imports triton and jax-triton
   except ImportError as e:  # e.g. jax-triton without a GPU jaxlib

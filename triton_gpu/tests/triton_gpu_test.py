@@ -183,3 +183,34 @@ def test_seed_environment_variables_on_gpu(tmp_path):
   env = dict(os.environ, CACHE_TRITON_KERNELS="1", TRITON_CACHE_DIR=str(tmp_path / "c"),
              _JAX_TRITON_DUMP_DIR=str(tmp_path / "d"))
   subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monkeypatch):
+  from flashjax.pallas_gpu import autotune as pt_autotune
+  from flashjax.triton_gpu import autotune
+  monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+  s = _spec(seq_q=64, seq_k=64, head_dim=64, causal=True)
+  assert autotune.CACHE.lookup(s) is None
+  base = plan.TritonKernelsConfig(fwd=autotune.FWD_CANDIDATES[0],
+                                  dq=autotune.BWD_CANDIDATES[0][0],
+                                  dkv=autotune.BWD_CANDIDATES[0][1])
+  fwd_times = {c: t for c, t in zip(autotune.FWD_CANDIDATES, [5.0, 9.0, 2.0, 7.0, 8.0])}
+  bwd_times = {c: t for c, t in zip(autotune.BWD_CANDIDATES, [3.0, 1.0, 4.0])}
+
+  def run(cfg, with_grad):
+    if with_grad:
+      return (lambda: bwd_times[(cfg.dq, cfg.dkv)]), ()
+    if cfg.fwd == autotune.FWD_CANDIDATES[3]:
+      raise RuntimeError("out of shared memory")  # skipped, not fatal
+    return (lambda: fwd_times[cfg.fwd]), ()
+
+  cfg = autotune.tune(s, run, timer=lambda fn, args: fn(), base=base)
+  assert cfg.fwd == autotune.FWD_CANDIDATES[2]
+  assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
+  assert autotune.CACHE.lookup(s) == cfg  # read back from the JSON file
+  assert autotune.resolve_config(s, None, None, on_gpu=False) == cfg
+  # Pallas-Triton shares the file under its own keys: no cross-talk.
+  assert pt_autotune.lookup(s) is None
+  other = _spec(seq_q=64, seq_k=64, head_dim=128)
+  assert autotune.resolve_config(other, None, None, on_gpu=False) == (
+      triton_gpu.default_config(other))

@@ -1,0 +1,131 @@
+"""Autotuning machinery shared by the GPU platforms: a persistent JSON cache keyed by
+device kind and shape class, timing of candidates on random inputs in a fresh
+thread, and the FLASHJAX_AUTOTUNE switch. Platforms supply their candidates and
+their config's JSON form.
+
+The cache is ``$FLASHJAX_AUTOTUNE_CACHE`` if set, else
+``~/.cache/flashjax/<platform>.json``; keys carry the platform's prefix, so
+platforms can share one file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from . import timer as timer_lib
+
+
+def enabled() -> bool:
+  return os.environ.get("FLASHJAX_AUTOTUNE", "").lower() in ("1", "true", "on")
+
+
+def shape_class(spec) -> str:
+  """Device kind, dtype, head dims, grouping, lengths rounded up to powers of two,
+  band kind and array features."""
+  up = lambda n: 1 << max(0, (n - 1).bit_length())
+  band = spec.band
+  kind = "full" if band.is_full else f"band{band.left},{band.right}"
+  feats = ",".join(sorted(spec.features - {"lse", "causal", "window"}))
+  try:
+    device = jax.devices()[0].device_kind
+  except RuntimeError:
+    device = "unknown"
+  return (f"{device}|{spec.dtype}|D{spec.head_dim}/{spec.head_dim_v}|"
+          f"G{spec.group_size}|S{up(spec.seq_q)}x{up(spec.seq_k)}|{kind}|{feats}")
+
+
+class JsonCache:
+  """Winners per shape class; ``to_json``/``from_json`` convert the platform's
+  frozen config."""
+
+  def __init__(self, platform: str, to_json: Callable, from_json: Callable,
+               key_prefix: str = ""):
+    self.platform, self.to_json, self.from_json = platform, to_json, from_json
+    self.key_prefix = key_prefix
+
+  @property
+  def path(self) -> str:
+    return os.environ.get("FLASHJAX_AUTOTUNE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "flashjax", f"{self.platform}.json")
+
+  def _load(self) -> dict:
+    try:
+      with open(self.path) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}
+
+  def lookup(self, spec):
+    entry = self._load().get(self.key_prefix + shape_class(spec))
+    return None if entry is None else self.from_json(entry)
+
+  def store(self, spec, cfg):
+    path = self.path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    data = self._load()
+    data[self.key_prefix + shape_class(spec)] = self.to_json(cfg)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: concurrent tuners never leave a torn file
+
+
+def default_timer(fn, args) -> float:
+  return timer_lib.time_ms(fn, args, iters=5, repeats=3)
+
+
+def in_fresh_thread(fn, *args):
+  """Runs ``fn(*args)`` in a new thread. Tuning usually starts while an outer jit
+  is tracing; JAX's trace context is per thread, so a fresh thread runs the
+  candidates for real instead of staging them into that trace."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    return pool.submit(fn, *args).result()
+
+
+def fastest(configs, run, with_grad: bool, timer, platform: str):
+  """The config whose ``run(config, with_grad)`` times fastest; candidates that fail
+  (e.g. too much shared memory for a head dim) are skipped."""
+  timed = []
+  for cfg in configs:
+    try:
+      fn, args = run(cfg, with_grad)
+      timed.append((timer(fn, args), cfg))
+    except Exception:  # a candidate that does not fit this device is skipped
+      continue
+  if not timed:
+    raise NotImplementedError(f"{platform} autotune: no candidate ran")
+  return min(timed, key=lambda t: t[0])[1]
+
+
+def random_run(spec, attention):
+  """``run(config, with_grad) -> (jitted fn, inputs)`` for plain calls of
+  ``spec``'s shape (features that need extra arrays are tuned without them: tiles
+  depend on shape, not on them)."""
+  def inputs():
+    keys = jax.random.split(jax.random.key(0), 3)
+    dt = jnp.dtype(spec.dtype)
+    shape = lambda h, d, s: (spec.batch, s, h, d)
+    return (jax.random.normal(keys[0], shape(spec.heads_q, spec.head_dim, spec.seq_q), dt),
+            jax.random.normal(keys[1], shape(spec.heads_kv, spec.head_dim, spec.seq_k), dt),
+            jax.random.normal(keys[2], shape(spec.heads_kv, spec.head_dim_v, spec.seq_k),
+                              dt))
+
+  kwargs = dict(causal=spec.causal, softmax_scale=spec.softmax_scale,
+                sliding_window=None if spec.band.left is None and (
+                    spec.band.right in (None, 0)) else (spec.band.left, spec.band.right))
+
+  def run(cfg, with_grad):
+    f = lambda q, k, v: attention(q, k, v, config=cfg, **kwargs)
+    if not with_grad:
+      return jax.jit(f), inputs()
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+    return g, inputs()
+
+  return run
