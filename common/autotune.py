@@ -11,6 +11,7 @@ platforms can share one file.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 from typing import Callable
@@ -103,6 +104,28 @@ def fastest(configs, run, with_grad: bool, timer, platform: str):
   return min(timed, key=lambda t: t[0])[1]
 
 
+def tune_kernels(spec, run, *, candidates, cache: JsonCache, base, timer=default_timer):
+  """Times the forward candidates, then the (dq, dkv) candidates with the winning
+  forward, and caches the winner. ``candidates`` is ``(forward list, backward list)``;
+  the base config competes in both, so tuning never picks worse than the default.
+  ``run(config, with_grad)`` returns ``(fn, args)``; candidates that fail to
+  compile are skipped. Runs in a fresh thread (see :func:`in_fresh_thread`)."""
+  def tune():
+    fwd_cands, bwd_cands = candidates
+    fwd_cands = (base.fwd,) + tuple(c for c in fwd_cands if c != base.fwd)
+    bwd_cands = ((base.dq, base.dkv),) + tuple(c for c in bwd_cands
+                                               if c != (base.dq, base.dkv))
+    best = lambda cfgs, grad: fastest(cfgs, run, grad, timer, cache.platform)
+    fwd = best([dataclasses.replace(base, fwd=c) for c in fwd_cands], False).fwd
+    with_fwd = dataclasses.replace(base, fwd=fwd)
+    cfg = best([dataclasses.replace(with_fwd, dq=dq, dkv=dkv) for dq, dkv in bwd_cands],
+               True)
+    cache.store(spec, cfg)
+    return cfg
+
+  return in_fresh_thread(tune)
+
+
 def random_run(spec, attention):
   """``run(config, with_grad) -> (jitted fn, inputs)`` for plain calls of
   ``spec``'s shape (features that need extra arrays are tuned without them: tiles
@@ -129,3 +152,17 @@ def random_run(spec, attention):
     return g, inputs()
 
   return run
+
+
+def resolve(spec, config, *, cache: JsonCache, tune, attention, default, may_tune: bool):
+  """An explicit config, else the cache's winner for this device and shape class,
+  else (with FLASHJAX_AUTOTUNE=1 and ``may_tune``) a fresh tuning run of
+  ``attention`` over ``tune``'s candidates, else ``default``."""
+  if config is not None:
+    return config
+  cached = cache.lookup(spec)
+  if cached is not None:
+    return cached
+  if enabled() and may_tune:
+    return tune(spec, random_run(spec, attention), base=default)
+  return default

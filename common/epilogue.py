@@ -38,6 +38,34 @@ def safe_lse(lse):
   return jnp.where(jnp.isfinite(lse), lse, jnp.inf)
 
 
+def finish_forward(out, lse, spec, sinks):
+  """A kernel's padded ``out [B, Sqp, Hq, >=Dv]`` and ``lse [B, Hq, Sqp]`` cut to the
+  call's sizes, with the sinks (if any) added to the denominator."""
+  out = out[:, :spec.seq_q, :, :spec.head_dim_v]
+  lse = lse[:, :, :spec.seq_q]
+  if spec.num_sinks:
+    sunk, lse = add_sinks(out, lse, sinks)
+    out = sunk.astype(out.dtype)
+  return out, lse
+
+
+def backward_rows(out, do, dlse, lse, seq_q_padded: int):
+  """Per-row terms of a backward kernel: ``delta [B, Hq, Sq]`` (for dsinks) and the
+  kernels' ``lse`` and ``delta`` padded to ``seq_q_padded`` rows. Padded and empty
+  rows get lse = +inf, so ``exp(s - lse)`` is exactly 0 there, and delta = 0."""
+  row_delta = delta(out, do, dlse)
+  pad = ((0, 0), (0, 0), (0, seq_q_padded - lse.shape[-1]))
+  lse_rows = jnp.pad(safe_lse(lse), pad, constant_values=jnp.inf)
+  return row_delta, lse_rows, jnp.pad(row_delta, pad)
+
+
+def dbias_from_ds(ds, spec, bias):
+  """dbias from a kernel's padded ``ds [B, Hq, Sqp, Skp]`` (fp32): cut to the
+  call's sizes and summed over the dims ``bias`` broadcasts."""
+  ds = reduce_to_shape(ds[:, :, :spec.seq_q, :spec.seq_k], bias.shape)
+  return ds.reshape(bias.shape).astype(bias.dtype)
+
+
 def sinks_grad(sinks, lse, row_delta):
   """dsinks ``[Hq, n]`` from the total lse and delta, both ``[B, Hq, Sq]``."""
   p_sink = jnp.exp(sinks.astype(_acc(lse))[None, :, None, :] - safe_lse(lse)[..., None])

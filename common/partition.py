@@ -61,32 +61,48 @@ def _local_spec(spec: AttentionSpec, nb: int, nh: int) -> AttentionSpec:
                              mask_shape=local4(spec.mask_shape))
 
 
-def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h) -> Operands:
-  """PartitionSpec of each present operand (a pytree like ``ops``)."""
-  bs = b or None
-  hs = h or None
+GRAD_FIELDS = ("q", "k", "v", "bias", "sinks")  # operands with cotangents
+
+
+def _present(ops_struct: Operands) -> list[str]:
+  return [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
+
+
+def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h) -> list:
+  """PartitionSpec of each present operand, in ``Operands`` order."""
+  bs, hs = b or None, h or None
 
   def four(shape):
     return P(bs if shape[0] > 1 else None, hs if shape[1] > 1 else None, None, None)
 
-  return Operands(
-      q=P(bs, None, hs, None), k=P(bs, None, hs, None), v=P(bs, None, hs, None),
-      bias=None if ops.bias is None else four(spec.bias_shape),
-      mask=None if ops.mask is None else four(spec.mask_shape),
-      q_segment_ids=None if ops.q_segment_ids is None else P(bs, None),
-      kv_segment_ids=None if ops.kv_segment_ids is None else P(bs, None),
-      sinks=None if ops.sinks is None else P(hs, None),
-      dropout_seed=None if ops.dropout_seed is None else P())
+  row = P(bs, None, hs, None)
+  specs = {"q": row, "k": row, "v": row,
+           "bias": four(spec.bias_shape) if ops.bias is not None else None,
+           "mask": four(spec.mask_shape) if ops.mask is not None else None,
+           "q_segment_ids": P(bs, None), "kv_segment_ids": P(bs, None),
+           "sinks": P(hs, None), "dropout_seed": P()}
+  return [specs[n] for n in _present(ops)]
 
 
-def _named(mesh, tree):
-  return jax.tree.map(lambda p: NamedSharding(mesh, p), tree,
-                      is_leaf=lambda x: isinstance(x, P))
+def _shardings(kind, spec, ops_struct, b, h):
+  """``(argument pspecs, result pspecs)`` of one direction's call. The backward
+  takes the operands then ``out, lse, do, dlse`` and returns the present
+  operands' cotangents."""
+  ops_p = _operand_pspecs(spec, ops_struct, b, h)
+  row, lse = P(b or None, None, h or None, None), P(b or None, h or None, None)
+  if kind == "fwd":
+    return ops_p, [row, lse]
+  grads = [p for n, p in zip(_present(ops_struct), ops_p) if n in GRAD_FIELDS]
+  return ops_p + [row, lse, row, lse], grads
 
 
-def _rule(spec: AttentionSpec, ops: Operands, outputs: str) -> tuple[str, dict]:
-  """Einsum-like Shardy rule: batch ``b``, kv heads ``k`` and group ``g`` are
-  shared factors; every other dim gets a factor of its own."""
+def _named(mesh, pspecs):
+  return tuple(NamedSharding(mesh, p) for p in pspecs)
+
+
+def _terms(spec: AttentionSpec, ops: Operands) -> list[str]:
+  """Einsum-like Shardy terms of the present operands: batch ``b``, kv heads ``k``
+  and group ``g`` are shared factors; every other dim gets a factor of its own."""
   fresh = iter(f"z{i}" for i in range(64))
   heads = "(k g)" if spec.group_size > 1 else "k"
 
@@ -95,34 +111,24 @@ def _rule(spec: AttentionSpec, ops: Operands, outputs: str) -> tuple[str, dict]:
     return " ".join(["b" if bb > 1 else next(fresh), heads if hb > 1 else next(fresh),
                      next(fresh), next(fresh)])
 
-  q = f"b s {heads} d"
-  terms = {"q": q, "k": "b t k d", "v": "b t k e",
+  terms = {"q": f"b s {heads} d", "k": "b t k d", "v": "b t k e",
            "bias": four(spec.bias_shape) if ops.bias is not None else None,
            "mask": four(spec.mask_shape) if ops.mask is not None else None,
            "q_segment_ids": "b s", "kv_segment_ids": "b t",
            "sinks": f"{heads} n", "dropout_seed": ""}
-  ins = [terms[name] for name, x in zip(Operands._fields, ops) if x is not None]
-  outs = {"fwd": [f"b s {heads} e", f"b {heads} s"],
-          "bwd": []}[outputs]
-  return ", ".join(ins), outs
+  return [terms[n] for n in _present(ops)]
 
 
 def _sharding_rule(kind, static, mesh, value_types, result_types):
-  spec, ops_struct = static[1], static[-1]
-  ins, outs = _rule(spec, ops_struct, "fwd")
+  _, spec, _, ops_struct = static
+  ins = _terms(spec, ops_struct)
   factors = {"g": spec.group_size} if spec.group_size > 1 else {}
-  if kind == "fwd":
-    return f"{ins} -> {', '.join(outs)}", factors
-  # backward operands: ops..., out, lse, do, dlse; results: the present grads.
   heads = "(k g)" if spec.group_size > 1 else "k"
-  extra = [f"b s {heads} e", f"b {heads} s", f"b s {heads} e", f"b {heads} s"]
-  grads = []
-  terms = [t.strip() for t in ins.split(",")]
-  present = [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
-  for name, term in zip(present, terms):
-    if name in ("q", "k", "v", "bias", "sinks"):
-      grads.append(term)
-  return f"{ins}, {', '.join(extra)} -> {', '.join(grads)}", factors
+  row, lse = f"b s {heads} e", f"b {heads} s"
+  if kind == "fwd":
+    return f"{', '.join(ins)} -> {row}, {lse}", factors
+  grads = [t for n, t in zip(_present(ops_struct), ins) if n in GRAD_FIELDS]
+  return (f"{', '.join(ins + [row, lse, row, lse])} -> {', '.join(grads)}", factors)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,86 +146,58 @@ def _wrapped(kind: str):
   def partition(static, mesh, arg_shapes, result_shape):
     fn, spec, config, ops_struct = static
     b, h = _plan(mesh, spec, arg_shapes[0].sharding)
-    nb = math.prod(mesh.shape[a] for a in b)
-    nh = math.prod(mesh.shape[a] for a in h)
-    local = _local_spec(spec, nb, nh)
-    op_p = _operand_pspecs(spec, ops_struct, b, h)
-    op_flat = [p for p in jax.tree.leaves(op_p, is_leaf=lambda x: isinstance(x, P))]
-    row = P(b or None, None, h or None, None)
-    lse = P(b or None, h or None, None)
-    if kind == "fwd":
-      arg_p = op_flat
-      res_p = (row, lse)
+    local = _local_spec(spec, math.prod(mesh.shape[a] for a in b),
+                        math.prod(mesh.shape[a] for a in h))
+    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h)
 
-      def lower(*args):
-        ops = _unflatten(static, args, kind)
-        return fn(ops, local, config)
-    else:
-      arg_p = op_flat + [row, lse, row, lse]
-      present = [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
-      res_p = tuple(p for n, p in zip(present, op_flat)
-                    if n in ("q", "k", "v", "bias", "sinks"))
+    def lower(*args):
+      if kind == "fwd":
+        return fn(_unflatten(ops_struct, args), local, config)
+      grads = _grads(fn, ops_struct, args, local, config)
+      names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
+      out = []
+      for n, g in zip(names, grads):
+        # Cotangents of operands broadcast over a split axis are partial sums.
+        if n == "bias":
+          shape = spec.bias_shape
+          axes = (b if shape[0] == 1 else ()) + (h if shape[1] == 1 else ())
+          g = jax.lax.psum(g, axes) if axes else g
+        elif n == "sinks" and b:
+          g = jax.lax.psum(g, b)
+        out.append(g)
+      return tuple(out)
 
-      def lower(*args):
-        grads = _grads(fn, static, args, local, config)
-        out = []
-        for n, g in zip([n for n in present if n in ("q", "k", "v", "bias", "sinks")],
-                        grads):
-          if n == "bias":
-            # A bias broadcast over a split axis got partial sums on each device.
-            shape = spec.bias_shape
-            axes = (b if shape[0] == 1 else ()) + (h if shape[1] == 1 else ())
-            g = jax.lax.psum(g, axes) if axes else g
-          elif n == "sinks" and b:
-            g = jax.lax.psum(g, b)
-          out.append(g)
-        return tuple(out)
-    return mesh, lower, _named(mesh, res_p), _named(mesh, tuple(arg_p))
+    return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
+
+  def infer(static, mesh, arg_shapes, result_shape):
+    _, spec, _, ops_struct = static
+    b, h = _plan(mesh, spec, arg_shapes[0].sharding)
+    return _named(mesh, _shardings(kind, spec, ops_struct, b, h)[1])
 
   wrapped.def_partition(
-      partition=partition,
-      infer_sharding_from_operands=_infer(kind),
+      partition=partition, infer_sharding_from_operands=infer,
       sharding_rule=functools.partial(_sharding_rule, kind))
   return wrapped
 
 
 def _run(kind, static, *args):
-  fn, spec, config, _ = static
+  fn, spec, config, ops_struct = static
   if kind == "fwd":
-    return fn(_unflatten(static, args, kind), spec, config)
-  return _grads(fn, static, args, spec, config)
+    return fn(_unflatten(ops_struct, args), spec, config)
+  return _grads(fn, ops_struct, args, spec, config)
 
 
-def _infer(kind):
-  def infer(static, mesh, arg_shapes, result_shape):
-    _, spec, _, ops_struct = static
-    b, h = _plan(mesh, spec, arg_shapes[0].sharding)
-    if kind == "fwd":
-      return _named(mesh, (P(b or None, None, h or None, None),
-                           P(b or None, h or None, None)))
-    op_p = _operand_pspecs(spec, ops_struct, b, h)
-    present = [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
-    flat = jax.tree.leaves(op_p, is_leaf=lambda x: isinstance(x, P))
-    return _named(mesh, tuple(p for n, p in zip(present, flat)
-                              if n in ("q", "k", "v", "bias", "sinks")))
-  return infer
-
-
-def _unflatten(static, args, kind):
-  ops_struct = static[-1]
-  n = sum(x is not None for x in ops_struct)
-  it = iter(args[:n])
+def _unflatten(ops_struct, args) -> Operands:
+  it = iter(args)
   return Operands(*(next(it) if x is not None else None for x in ops_struct))
 
 
-def _grads(fn, static, args, spec, config):
-  ops_struct = static[-1]
-  n = sum(x is not None for x in ops_struct)
-  ops = _unflatten(static, args, "bwd")
+def _grads(fn, ops_struct, args, spec, config):
+  n = len(_present(ops_struct))
   out, lse, do, dlse = args[n:]
-  grads = fn(ops, spec, config, out, lse, do, dlse)
+  grads = fn(_unflatten(ops_struct, args[:n]), spec, config, out, lse, do, dlse)
   return tuple(g for name, g, x in zip(Operands._fields, grads, ops_struct)
-               if x is not None and name in ("q", "k", "v", "bias", "sinks"))
+               if x is not None and name in GRAD_FIELDS)
 
 
 def _struct(ops: Operands) -> Operands:
@@ -267,6 +245,5 @@ def backward(fn, ops: Operands, spec: AttentionSpec, config, out, lse, do, dlse)
     return fn(ops, spec, config, out, lse, do, dlse)
   args = [x for x in ops if x is not None] + [out, lse, do, dlse]
   grads = iter(_call("bwd", (fn, spec, config, _struct(ops)), args))
-  return Operands(*(next(grads) if x is not None and name in
-                    ("q", "k", "v", "bias", "sinks") else None
+  return Operands(*(next(grads) if x is not None and name in GRAD_FIELDS else None
                     for name, x in zip(Operands._fields, ops)))

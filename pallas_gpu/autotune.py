@@ -59,13 +59,7 @@ def candidates(spec):
   return FWD_CANDIDATES, BWD_CANDIDATES
 
 
-def _from_json(d: dict) -> TritonConfig:
-  return TritonConfig(fwd=KernelConfig(**d["fwd"]), dq=KernelConfig(**d["dq"]),
-                      dkv=KernelConfig(**d["dkv"]),
-                      fp32_precision=d.get("fp32_precision", "ieee"))
-
-
-CACHE = common.JsonCache("pallas_triton", dataclasses.asdict, _from_json)
+CACHE = common.JsonCache("pallas_triton", dataclasses.asdict, TritonConfig.from_json)
 
 
 def cache_path() -> str:
@@ -78,24 +72,7 @@ def lookup(spec) -> TritonConfig | None:
 
 def tune(spec, run, *, timer=common.default_timer,
          base: TritonConfig | None = None) -> TritonConfig:
-  """Times the candidates for ``spec`` and caches the winner.
-
-  ``run(config, with_grad)`` returns ``(fn, args)``: a jitted function of the
-  candidate and its inputs. Candidates that fail to compile are skipped; the base
-  config competes too, so tuning never picks worse than the default.
-  """
-  return common.in_fresh_thread(_tune, spec, run, timer, base or TritonConfig())
-
-
-def _tune(spec, run, timer, base):
-  fwd_cands, bwd_cands = candidates(spec)
-  fwd_cands = (base.fwd,) + tuple(c for c in fwd_cands if c != base.fwd)
-  bwd_cands = ((base.dq, base.dkv),) + tuple(c for c in bwd_cands
-                                             if c != (base.dq, base.dkv))
-  best = lambda cfgs, grad: common.fastest(cfgs, run, grad, timer, "pallas-triton")
-  fwd = best([dataclasses.replace(base, fwd=c) for c in fwd_cands], False).fwd
-  with_fwd = dataclasses.replace(base, fwd=fwd)
-  cfg = best([dataclasses.replace(with_fwd, dq=dq, dkv=dkv) for dq, dkv in bwd_cands],
-             True)
-  CACHE.store(spec, cfg)
-  return cfg
+  """Times the candidates for ``spec`` and caches the winner
+  (:func:`common.autotune.tune_kernels`)."""
+  return common.tune_kernels(spec, run, candidates=candidates(spec), cache=CACHE,
+                             base=base or TritonConfig(), timer=timer)

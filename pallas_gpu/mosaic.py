@@ -104,12 +104,7 @@ def forward(ops, spec, static: _Static):
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                                 _pad(ops.k, g.seq_k_padded, g.head_dim),
                                 _pad(ops.v, g.seq_k_padded, g.head_dim), g)
-  out = out[:, :spec.seq_q, :, :spec.head_dim_v]
-  lse = lse[:, :, :spec.seq_q]
-  if spec.num_sinks:
-    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
-    out = sunk.astype(out.dtype)
-  return out, lse
+  return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):

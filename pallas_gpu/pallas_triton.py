@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from ..common import spec as spec_lib
-from ..common import epilogue, vjp
+from ..common import autotune as tuning
+from ..common import epilogue, launch, vjp
 from . import autotune, triton_bwd, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
@@ -51,17 +52,11 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
                                        num_stages=1),
                        dkv=KernelConfig(block_q=32, block_kv=32, num_warps=4,
                                         num_stages=1))
-  fit = lambda n: max(16, 1 << (n - 1).bit_length())
-  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
-                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
-  return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
+  return launch.fit_to_lengths(cfg, spec)
 
 
 def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
-  base = default_config(spec)
-  fwd = dataclasses.replace(base.fwd, block_q=block_q or base.fwd.block_q,
-                            block_kv=block_kv or base.fwd.block_kv)
-  return dataclasses.replace(base, fwd=fwd)
+  return launch.with_forward_blocks(default_config(spec), block_q, block_kv)
 
 
 def forward(ops, spec, static: _Static):
@@ -69,34 +64,23 @@ def forward(ops, spec, static: _Static):
   plan = plans["fwd"]
   out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, static.config.fwd,
                                 static.interpret)
-  out = out[:, :spec.seq_q, :, :spec.head_dim_v]
-  lse = lse[:, :, :spec.seq_q]
-  if spec.num_sinks:
-    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
-    out = sunk.astype(out.dtype)
-  return out, lse
+  return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
   plans = tp.make_plans(spec, static.config)
   x = tp.prepare(ops, plans["dq"])
   sqp = plans["dq"].seq_q_padded
-  delta = epilogue.delta(out, do, dlse)
-  pad_rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, sqp - spec.seq_q)),
-                                     constant_values=fill)
-  # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
-  lse_safe = pad_rows(epilogue.safe_lse(lse), jnp.inf)
+  delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
   do_k = jnp.pad(do.astype(ops.q.dtype), ((0, 0), (0, sqp - spec.seq_q), (0, 0),
                                           (0, plans["dq"].head_dim_v_padded -
                                            spec.head_dim_v)))
   dq, dk, dv, ds = triton_bwd.backward(
       x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
-      lse_safe, pad_rows(delta, 0.0), static.interpret)
+      lse_rows, delta_rows, static.interpret)
   dbias = dsinks = None
   if ops.bias is not None:
-    ds = epilogue.reduce_to_shape(ds[:, :, :spec.seq_q, :spec.seq_k],
-                                  ops.bias.shape)
-    dbias = ds.reshape(ops.bias.shape).astype(ops.bias.dtype)
+    dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, delta)
   return spec_lib.Operands(
@@ -106,18 +90,11 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
 
 
 def resolve_config(spec, config: TritonConfig | None, interpret: bool) -> TritonConfig:
-  """An explicit config, else the autotune cache's winner for this device and shape
-  class, else (with FLASHJAX_AUTOTUNE=1 on a GPU) a fresh tuning run, else the
-  heuristic."""
-  if config is not None:
-    return config
-  cached = autotune.lookup(spec)
-  if cached is not None:
-    return cached
-  if autotune.enabled() and not interpret:
-    return autotune.tune(spec, autotune.random_run(spec, flash_attention),
-                         base=default_config(spec))
-  return default_config(spec)
+  """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
+  heuristic (common/autotune.py)."""
+  return tuning.resolve(spec, config, cache=autotune.CACHE, tune=autotune.tune,
+                        attention=flash_attention, default=default_config(spec),
+                        may_tune=not interpret)
 
 
 def attention_from_operands(ops, spec, config: TritonConfig | None = None,

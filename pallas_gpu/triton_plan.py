@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ..common import dropout as dropout_lib
 from ..common.blocking import pad_axis, pad_broadcastable
+from ..common.launch import KernelConfig, KernelsConfig  # noqa: F401
 from ..common.mask import band_allowed
 from ..common.spec import AttentionSpec, Operands
 
@@ -18,47 +19,8 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _pow2(name, value, lo=16):
-  if not isinstance(value, int) or value < lo or value & (value - 1):
-    raise ValueError(f"{name} must be a power of two >= {lo}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KernelConfig:
-  """One kernel's tiles and Triton launch parameters (Triton needs power-of-two
-  tile sides)."""
-
-  block_q: int
-  block_kv: int
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    _pow2("block_q", self.block_q)
-    _pow2("block_kv", self.block_kv)
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"num_stages must be a positive int, got {self.num_stages}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TritonConfig:
-  """Forward, dq and dkv kernels. ``fp32_precision`` "ieee" keeps fp32 inputs
-  exact; "tf32" trades 10-bit mantissa products for speed."""
-
-  fwd: KernelConfig = KernelConfig(block_q=128, block_kv=64, num_warps=4,
-                                   num_stages=3)
-  dq: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
-                                  num_stages=2)
-  dkv: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
-                                   num_stages=2)
-  fp32_precision: str = "ieee"
-
-  def __post_init__(self):
-    if self.fp32_precision not in ("ieee", "tf32"):
-      raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
-                       f"{self.fp32_precision!r}")
+# One config definition for both Triton-based platforms (common/launch.py).
+TritonConfig = KernelsConfig
 
 
 @dataclasses.dataclass(frozen=True)

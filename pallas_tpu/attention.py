@@ -39,31 +39,22 @@ def forward(ops, spec, static: _Static):
   plan = make_plan(spec, static.config.fwd)
   out, lse = fwd_lib.forward(prepare(ops, plan), plan,
                              interpret=static.interpret_params)
-  out = jnp.swapaxes(out[:, :, :spec.seq_q], 1, 2)
-  lse = lse[:, :, :spec.seq_q, 0]
-  if spec.num_sinks:
-    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
-    out = sunk.astype(out.dtype)
-  return out, lse
+  return epilogue.finish_forward(jnp.swapaxes(out, 1, 2), lse[..., 0], spec, ops.sinks)
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
   plan = make_plan(spec, static.config.bwd)
   x = prepare(ops, plan)
-  rows = lambda a, fill: jnp.pad(a, ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q)),
-                                 constant_values=fill)[..., None]
-  delta = epilogue.delta(out, do, dlse)
-  # +inf: p = exp(s - lse) is exactly 0 on empty and padded rows.
-  lse_safe = rows(epilogue.safe_lse(lse), jnp.inf)
+  delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse,
+                                                       plan.seq_q_padded)
   do_k = jnp.pad(jnp.swapaxes(do, 1, 2).astype(ops.q.dtype),
                  ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q), (0, 0)))
-  dq, dk, dv, ds = bwd_lib.backward(x, plan, do_k, lse_safe, rows(delta, 0.0),
+  dq, dk, dv, ds = bwd_lib.backward(x, plan, do_k, lse_rows[..., None],
+                                    delta_rows[..., None],
                                     interpret=static.interpret_params)
   dbias = dsinks = None
   if ops.bias is not None:
-    ds = epilogue.reduce_to_shape(ds[:, :, :spec.seq_q, :spec.seq_k],
-                                  ops.bias.shape)
-    dbias = ds.reshape(ops.bias.shape).astype(ops.bias.dtype)
+    dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, delta)
   unpad = lambda a, s: jnp.swapaxes(a[:, :, :s], 1, 2)

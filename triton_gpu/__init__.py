@@ -9,10 +9,10 @@ frontend routes such calls to Pallas-Triton.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 from ..common import spec as spec_lib
+from ..common.launch import with_forward_blocks
 from .plan import Launch, TritonKernelsConfig, default_config
 
 NAME = "triton_gpu"
@@ -47,10 +47,7 @@ def supported(spec) -> str | None:
 
 def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonKernelsConfig:
   """jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default (forward)."""
-  base = default_config(spec)
-  return dataclasses.replace(base, fwd=dataclasses.replace(
-      base.fwd, block_q=block_q or base.fwd.block_q,
-      block_kv=block_kv or base.fwd.block_kv))
+  return with_forward_blocks(default_config(spec), block_q, block_kv)
 
 
 def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):

@@ -92,12 +92,7 @@ def forward(ops, spec, static: _Static):
       num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages,
       compute_capability=_compute_capability(), name="flashjax_triton_fwd",
       **_constexprs(spec, geo, bm, bn, cfg))
-  out = out[:, :spec.seq_q, :, :spec.head_dim_v]
-  lse = lse[:, :, :spec.seq_q]
-  if spec.num_sinks:
-    sunk, lse = epilogue.add_sinks(out, lse, ops.sinks)
-    out = sunk.astype(out.dtype)
-  return out, lse
+  return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
@@ -105,15 +100,9 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   geo = Geometry.of(spec, cfg)
   q, k, v, q_ids, kv_ids = _prepare(ops, spec, geo)
   sqp = geo.seq_q_padded
-  row_delta = epilogue.delta(out, do, dlse)
-  rows = lambda a, fill: jnp.pad(a.astype(jnp.float32),
-                                 ((0, 0), (0, 0), (0, sqp - spec.seq_q)),
-                                 constant_values=fill)
-  # +inf: p = exp2(s - lse) is exactly 0 on empty and padded rows.
-  lse_safe = rows(epilogue.safe_lse(lse), jnp.inf)
-  delta = rows(row_delta, 0.0)
+  row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
   do_p = pad_axis(pad_axis(do.astype(q.dtype), 1, sqp), 3, geo.head_dim_v_padded)
-  common = (q, k, v, do_p, lse_safe, delta, q_ids, kv_ids)
+  common = (q, k, v, do_p, lse_rows, delta_rows, q_ids, kv_ids)
   cc = _compute_capability()
 
   bm, bn = cfg.dq.block_q, cfg.dq.block_kv

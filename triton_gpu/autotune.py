@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import autotune as common
-from .plan import Launch, TritonKernelsConfig
+from .plan import Launch, TritonKernelsConfig, default_config
 
 FWD_CANDIDATES = (
     Launch(block_q=128, block_kv=64, num_warps=8, num_stages=3),
@@ -44,46 +44,20 @@ def candidates(spec):
   return FWD_CANDIDATES, BWD_CANDIDATES
 
 
-def _from_json(d: dict) -> TritonKernelsConfig:
-  return TritonKernelsConfig(fwd=Launch(**d["fwd"]), dq=Launch(**d["dq"]),
-                             dkv=Launch(**d["dkv"]),
-                             fp32_precision=d.get("fp32_precision", "ieee"))
-
-
-CACHE = common.JsonCache("triton", dataclasses.asdict, _from_json, key_prefix="triton|")
+CACHE = common.JsonCache("triton", dataclasses.asdict, TritonKernelsConfig.from_json,
+                         key_prefix="triton|")
 
 
 def tune(spec, run, *, timer=common.default_timer,
          base: TritonKernelsConfig | None = None) -> TritonKernelsConfig:
-  """Times the forward candidates, then the backward ones with the winning
-  forward; the base config competes in both; the winner is cached."""
-  return common.in_fresh_thread(_tune, spec, run, timer, base or TritonKernelsConfig())
-
-
-def _tune(spec, run, timer, base):
-  fwd_cands, bwd_cands = candidates(spec)
-  fwd_cands = (base.fwd,) + tuple(c for c in fwd_cands if c != base.fwd)
-  bwd_cands = ((base.dq, base.dkv),) + tuple(c for c in bwd_cands
-                                             if c != (base.dq, base.dkv))
-  best = lambda cfgs, grad: common.fastest(cfgs, run, grad, timer, "triton")
-  fwd = best([dataclasses.replace(base, fwd=c) for c in fwd_cands], False).fwd
-  with_fwd = dataclasses.replace(base, fwd=fwd)
-  cfg = best([dataclasses.replace(with_fwd, dq=dq, dkv=dkv) for dq, dkv in bwd_cands],
-             True)
-  CACHE.store(spec, cfg)
-  return cfg
+  """Times the candidates for ``spec`` and caches the winner
+  (:func:`common.autotune.tune_kernels`)."""
+  return common.tune_kernels(spec, run, candidates=candidates(spec), cache=CACHE,
+                             base=base or TritonKernelsConfig(), timer=timer)
 
 
 def resolve_config(spec, config, flash_attention, *, on_gpu: bool):
-  """An explicit config, else the cache's winner, else (FLASHJAX_AUTOTUNE=1 on a
-  GPU) a fresh tuning run, else the heuristic default."""
-  from .plan import default_config
-  if config is not None:
-    return config
-  cached = CACHE.lookup(spec)
-  if cached is not None:
-    return cached
-  if common.enabled() and on_gpu:
-    return tune(spec, common.random_run(spec, flash_attention),
-                base=default_config(spec))
-  return default_config(spec)
+  """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
+  heuristic default (common/autotune.py)."""
+  return common.resolve(spec, config, cache=CACHE, tune=tune, attention=flash_attention,
+                        default=default_config(spec), may_tune=on_gpu)

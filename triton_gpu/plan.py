@@ -7,47 +7,14 @@ import os
 
 import numpy as np
 
+from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
+                             with_forward_blocks)
 from ..common.spec import AttentionSpec
 
 
-def _pow2(name, value, lo=16):
-  if not isinstance(value, int) or value < lo or value & (value - 1):
-    raise ValueError(f"{name} must be a power of two >= {lo}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Launch:
-  """One kernel's tiles (powers of two: Triton's tl.arange needs them) and launch
-  parameters."""
-
-  block_q: int
-  block_kv: int
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    _pow2("block_q", self.block_q)
-    _pow2("block_kv", self.block_kv)
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"num_stages must be a positive int, got {self.num_stages}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TritonKernelsConfig:
-  """Forward, dq and dkv launches; ``fp32_precision`` "ieee" keeps fp32 products
-  exact, "tf32" trades mantissa bits for speed."""
-
-  fwd: Launch = Launch(block_q=128, block_kv=64, num_warps=4, num_stages=3)
-  dq: Launch = Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2)
-  dkv: Launch = Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2)
-  fp32_precision: str = "ieee"
-
-  def __post_init__(self):
-    if self.fp32_precision not in ("ieee", "tf32"):
-      raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
-                       f"{self.fp32_precision!r}")
+# One config definition for both Triton-based platforms (common/launch.py).
+Launch = KernelConfig
+TritonKernelsConfig = KernelsConfig
 
 
 def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
@@ -67,14 +34,8 @@ def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
         dkv=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1))
   m = os.environ.get("BLOCKSIZE_M_FLASH_ATTN")
   n = os.environ.get("BLOCKSIZE_N_FLASH_ATTN")
-  if m or n:
-    cfg = dataclasses.replace(cfg, fwd=dataclasses.replace(
-        cfg.fwd, block_q=int(m) if m else cfg.fwd.block_q,
-        block_kv=int(n) if n else cfg.fwd.block_kv))
-  fit = lambda n: max(16, 1 << (n - 1).bit_length())
-  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
-                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
-  return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
+  cfg = with_forward_blocks(cfg, int(m) if m else None, int(n) if n else None)
+  return fit_to_lengths(cfg, spec)
 
 
 @dataclasses.dataclass(frozen=True)

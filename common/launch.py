@@ -1,0 +1,71 @@
+"""Tile and launch configs of the GPU kernel platforms that run a forward, a dq and a
+dkv kernel (Pallas-Triton and triton): one definition for both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _pow2(name, value, lo=16):
+  if not isinstance(value, int) or value < lo or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+  """One kernel's tiles and launch parameters (Triton needs power-of-two tile
+  sides)."""
+
+  block_q: int
+  block_kv: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _pow2("block_q", self.block_q)
+    _pow2("block_kv", self.block_kv)
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages must be a positive int, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelsConfig:
+  """Forward, dq and dkv kernels. ``fp32_precision`` "ieee" keeps fp32 inputs
+  exact; "tf32" trades 10-bit mantissa products for speed."""
+
+  fwd: KernelConfig = KernelConfig(block_q=128, block_kv=64, num_warps=4,
+                                   num_stages=3)
+  dq: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                  num_stages=2)
+  dkv: KernelConfig = KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                   num_stages=2)
+  fp32_precision: str = "ieee"
+
+  def __post_init__(self):
+    if self.fp32_precision not in ("ieee", "tf32"):
+      raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
+                       f"{self.fp32_precision!r}")
+
+  @classmethod
+  def from_json(cls, d: dict) -> "KernelsConfig":
+    return cls(fwd=KernelConfig(**d["fwd"]), dq=KernelConfig(**d["dq"]),
+               dkv=KernelConfig(**d["dkv"]),
+               fp32_precision=d.get("fp32_precision", "ieee"))
+
+
+def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
+  """Tiles no larger than the (power-of-two rounded) sequence lengths."""
+  fit = lambda n: max(16, 1 << (n - 1).bit_length())
+  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
+                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
+  return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
+
+
+def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:
+  """``cfg`` with its forward tiles overridden where given (jax-flash-attn2's
+  ``blocksize_q``/``blocksize_k`` and environment variables)."""
+  return dataclasses.replace(cfg, fwd=dataclasses.replace(
+      cfg.fwd, block_q=block_q or cfg.fwd.block_q,
+      block_kv=block_kv or cfg.fwd.block_kv))
