@@ -209,6 +209,27 @@ def _cu_to_ids(cu, total, pad_id):
   return jnp.where(pos < cu[-1], ids, pad_id)
 
 
+def _end_aligned_layout(cu_q, cu_k, total_q, total_k):
+  """Positions of packed q and k rows in a layout where sequence ``s`` occupies a
+  slot of ``max(len_q, len_k)`` and both its q and its k rows end at the slot's
+  end. In that layout one causal/window band with offset 0 (plus segment ids) is
+  each sequence's own bottom-right aligned band: key j of s is visible to query i
+  of s iff ``j <= i + len_k - len_q`` iff ``pos_k <= pos_q``. The layout has
+  ``total_q + total_k`` rows, a bound on the sum of slots known at trace time."""
+  len_q, len_k = jnp.diff(cu_q), jnp.diff(cu_k)
+  slot_end = jnp.cumsum(jnp.maximum(len_q, len_k))
+
+  def positions(cu, lens, total):
+    rows = jnp.arange(total)
+    s = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0, lens.shape[0] - 1)
+    real = rows < cu[-1]
+    # Padding rows park past every slot, each on a row of its own.
+    return jnp.where(real, slot_end[s] - lens[s] + rows - cu[s],
+                     slot_end[-1] + rows - cu[-1])
+
+  return positions(cu_q, len_q, total_q), positions(cu_k, len_k, total_k)
+
+
 def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale=None, is_causal=False,
                      window_size=(-1, -1)):
@@ -216,9 +237,13 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
   Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
   ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v; positions past the last offset are
-  padding. Lowered to segment ids (no ``[S, S]`` mask). Causal and windowed
-  attention need q and k to share offsets (pass the same array), since the
-  contract aligns the diagonal once for the whole packed row.
+  padding (output 0). Lowered to segment ids (no ``[S, S]`` mask). Causal and
+  window bands are aligned bottom-right per sequence, as in FlashAttention: with
+  different q and k lengths, query i of a sequence sees key j iff
+  ``j <= i + len_k - len_q`` (and ``j >= i + len_k - len_q - left``). When
+  ``cu_seqlens_q is cu_seqlens_k`` this runs on the packed rows directly;
+  otherwise rows are moved to an end-aligned layout of ``total_q + total_k`` rows
+  first (more work, same result).
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 3:
@@ -235,13 +260,23 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if not isinstance(m, int) or m < 1:
       raise ValueError(f"{name} must be a positive int, got {m!r}")
   banded = is_causal or tuple(window_size) != (-1, -1)
-  if banded and cu_seqlens_q is not cu_seqlens_k:
-    raise NotImplementedError(
-        "flash_mha_varlen: causal or windowed attention needs cu_seqlens_q and "
-        "cu_seqlens_k to be the same array (self-attention over packed sequences)")
-  if banded and q.shape[0] != k.shape[0]:
-    raise ValueError("causal/windowed varlen attention needs q and k of equal total"
-                     f" length, got {q.shape[0]} and {k.shape[0]}")
+  if banded and (cu_seqlens_q is not cu_seqlens_k or q.shape[0] != k.shape[0]):
+    pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],
+                                       k.shape[0])
+    rows = q.shape[0] + k.shape[0]
+    place = lambda x, pos: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[pos].set(
+        x, unique_indices=True)
+    # Ids: the sequence on its rows, -1 / -2 on q / k filler and padding rows
+    # (never equal, so those rows attend to nothing and output 0).
+    q_ids = jnp.full((rows,), -1, jnp.int32).at[pos_q].set(
+        _cu_to_ids(cu_seqlens_q, q.shape[0], -1))
+    kv_ids = jnp.full((rows,), -2, jnp.int32).at[pos_k].set(
+        _cu_to_ids(cu_seqlens_k, k.shape[0], -2))
+    out = flash_attention(place(q, pos_q)[None], place(k, pos_k)[None],
+                          place(v, pos_k)[None], softmax_scale=softmax_scale,
+                          causal=is_causal, sliding_window=tuple(window_size),
+                          segment_ids=(q_ids[None], kv_ids[None]))
+    return out[0, pos_q]
   q_ids = _cu_to_ids(cu_seqlens_q, q.shape[0], -1)
   kv_ids = _cu_to_ids(cu_seqlens_k, k.shape[0], -2)
   out = flash_attention(q[None], k[None], v[None], softmax_scale=softmax_scale,

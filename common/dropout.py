@@ -73,6 +73,21 @@ def keep(seed, b, h, i, j, rate: float):
   return keep_from_row_key(row_key(seed, b, h, i), j, rate)
 
 
+def shard_seed(seed, batch_offset, head_offset):
+  """The seed one shard of a split call hands its kernels: ``uint32 [3]`` of the
+  call's seed and the shard's first global batch and query-head index, so the
+  kernels hash global coordinates from local program ids."""
+  return jnp.stack([_u32(seed).reshape(()), _u32(batch_offset), _u32(head_offset)])
+
+
+def kernel_seed(dropout_seed):
+  """``int32 [4]`` a kernel reads: seed, batch offset, head offset, 0. Takes the
+  call's scalar seed (offsets 0) or a ``shard_seed``. Four entries because GPU
+  Pallas blocks must be powers of two."""
+  x = jax.lax.bitcast_convert_type(_u32(dropout_seed), jnp.int32).reshape(-1)
+  return jnp.pad(x, (0, 4 - x.shape[0]))
+
+
 def keep_numpy(seed: int, b, h, i, j, rate: float) -> np.ndarray:
   """The same function in NumPy, for tests that must not trust JAX's version."""
   def mix(x):

@@ -11,7 +11,10 @@ sharded there are gathered along those axes, which is correct, only slower. The 
 axis is split only when the number of head shards divides the kv head count, so each
 shard keeps whole query groups (q head h reads kv head h // G).
 Cotangents of operands broadcast over a split axis (a bias shared by all batch
-elements, the sinks) are summed over that axis's devices.
+elements, the sinks) are summed over that axis's devices. The dropout hash takes
+global batch and head indices: each shard passes its offsets to the kernels with
+the seed (``dropout.shard_seed``), so a split call drops exactly what the whole
+call would.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax.custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import dropout as dropout_lib
 from .spec import AttentionSpec, Operands
 
 
@@ -151,6 +155,8 @@ def _wrapped(kind: str):
     arg_p, res_p = _shardings(kind, spec, ops_struct, b, h)
 
     def lower(*args):
+      if spec.dropout_rate > 0:
+        args = _with_shard_seed(ops_struct, args, b, h, local)
       if kind == "fwd":
         return fn(_unflatten(ops_struct, args), local, config)
       grads = _grads(fn, ops_struct, args, local, config)
@@ -180,6 +186,15 @@ def _wrapped(kind: str):
   return wrapped
 
 
+def _with_shard_seed(ops_struct, args, b_axes, h_axes, local: AttentionSpec):
+  """``args`` with the seed replaced by this shard's ``shard_seed``."""
+  index = lambda axes, size: jax.lax.axis_index(axes) * size if axes else 0
+  n = _present(ops_struct).index("dropout_seed")
+  seed = dropout_lib.shard_seed(args[n], index(b_axes, local.batch),
+                                index(h_axes, local.heads_q))
+  return args[:n] + (seed,) + args[n + 1:]
+
+
 def _run(kind, static, *args):
   fn, spec, config, ops_struct = static
   if kind == "fwd":
@@ -206,9 +221,8 @@ def _struct(ops: Operands) -> Operands:
 
 
 def enabled(spec: AttentionSpec) -> bool:
-  # The dropout hash takes global batch and head indices, which a shard does not
-  # know; such calls are left to XLA (gathered, still exact).
-  return jax.device_count() > 1 and spec.dropout_rate == 0
+  del spec
+  return jax.device_count() > 1
 
 
 def _call(kind, static, args):

@@ -34,7 +34,7 @@ def _p_ds(plan: tp.Plan, r, t, q, k, v, do, lse2, delta, q_ids, b, h, i, j,
   dp = tp.dot(do, v, plan, trans_b=True)
   pd = p
   if "seed" in r:
-    keep = tp.dropout_keep(plan, r["seed"][...], b, h, i, j)
+    keep = tp.dropout_keep(plan, r["seed"], b, h, i, j)
     scale = 1.0 / (1.0 - spec.dropout_rate)
     pd = jnp.where(keep, p * scale, 0.0)
     dp = jnp.where(keep, dp * scale, 0.0)

@@ -52,7 +52,7 @@ def _kernel(*refs, plan: tp.Plan, names):
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q = r["q"][...]
   q_ids = r["q_ids"][...] if "q_ids" in r else None
-  seed = r["seed"][...] if "seed" in r else None
+  seed = r.get("seed")
 
   def body(j, carry, positional):
     acc, m, l = carry
@@ -104,7 +104,7 @@ def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
     out.append(("q_ids", q_map, x.q_ids))
     out.append(("kv_ids", kv_map, x.kv_ids))
   if x.seed is not None:
-    out.append(("seed", pl.BlockSpec((1,), lambda *g: (0,)), x.seed))
+    out.append(("seed", pl.BlockSpec((4,), lambda *g: (0,)), x.seed))
   return out
 
 

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from ..common import dropout as dropout_lib
 from ..common.blocking import pad_axis, pad_broadcastable
@@ -130,7 +131,7 @@ class KernelOperands(NamedTuple):
   mask: Any  # same, int8
   q_ids: Any  # [B, Sqp] int32
   kv_ids: Any  # [B, Skp] int32
-  seed: Any  # [1] int32
+  seed: Any  # [4] int32: dropout_lib.kernel_seed
 
 
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
@@ -148,7 +149,7 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
     q_ids = pad_axis(ops.q_segment_ids, 1, plan.seq_q_padded)
     kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)
   if ops.dropout_seed is not None:
-    seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
+    seed = dropout_lib.kernel_seed(ops.dropout_seed)
   return KernelOperands(pad4(ops.q, plan.seq_q_padded, dp),
                         pad4(ops.k, plan.seq_k_padded, dp),
                         pad4(ops.v, plan.seq_k_padded, dvp),
@@ -207,11 +208,13 @@ def allowed(plan: Plan, i, j, positional: bool, q_ids=None, kv_ids=None, mask=No
   return ok
 
 
-def dropout_keep(plan: Plan, seed, b, h, i, j, bq=None, bk=None):
-  """Keep-mask ``[bq, bk]``; the row key is hashed once per row."""
+def dropout_keep(plan: Plan, seed_ref, b, h, i, j, bq=None, bk=None):
+  """Keep-mask ``[bq, bk]``; the row key is hashed once per row. ``b``/``h`` are
+  the program's local indices; ``seed_ref`` adds the shard's offsets."""
   bq, bk = bq or plan.block_q, bk or plan.block_kv
   rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
   cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
-  key = dropout_lib.row_key(seed, b, h, rows)
+  seed, b_off, h_off = (seed_ref[pl.ds(n, 1)] for n in range(3))
+  key = dropout_lib.row_key(seed, b + b_off, h + h_off, rows)
   return dropout_lib.keep_from_row_key(key[:, None], cols[None, :],
                                        plan.spec.dropout_rate)

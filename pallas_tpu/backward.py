@@ -40,7 +40,7 @@ def _probs_and_ds(plan: Plan, refs: dict, b, h, i, j):
   dp = tile.matmul_nt(do, v)
   pd = p
   if spec.dropout_rate > 0:
-    keep = tile.dropout_keep(plan, refs["seed"][0], b, h, i, j)
+    keep = tile.dropout_keep(plan, refs["seed"], b, h, i, j)
     scale = 1.0 / (1.0 - spec.dropout_rate)
     pd = jnp.where(keep, p * scale, 0.0)
     dp = jnp.where(keep, dp * scale, 0.0)

@@ -79,7 +79,7 @@ def _kernel(*refs, plan: Plan, has: dict, count: bool):
                                  l_sc.shape)
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
     if seed is not None:
-      p = jnp.where(tile.dropout_keep(plan, seed[0], b, h, i, jj), p, 0.0)
+      p = jnp.where(tile.dropout_keep(plan, seed, b, h, i, jj), p, 0.0)
     v = v_ref[...]
     acc_sc[...] = alpha * acc_sc[...] + tile.matmul(p.astype(v.dtype), v)
     if cnt_ref is not None:

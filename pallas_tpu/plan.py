@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 
+from ..common import dropout as dropout_lib
 from ..common.blocking import BlockGrid, pad_axis, pad_broadcastable
 from ..common.spec import AttentionSpec, Operands
 from .config import BlockSizes
@@ -34,7 +34,7 @@ class KernelOperands(NamedTuple):
   mask: Any  # same, int8 (bool refs do not lower on TPU)
   q_ids: Any  # [B, Sqp, 1] int32: rows on sublanes
   kv_ids: Any  # [B, 1, Skp] int32: keys on lanes
-  seed: Any  # [1] int32 (scalar prefetch, SMEM)
+  seed: Any  # [4] int32 (dropout_lib.kernel_seed; scalar prefetch, SMEM)
 
 
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
@@ -46,7 +46,7 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
     kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)[:, None, :]
   seed = None
   if ops.dropout_seed is not None:
-    seed = jax.lax.bitcast_convert_type(ops.dropout_seed, jnp.int32).reshape(1)
+    seed = dropout_lib.kernel_seed(ops.dropout_seed)
   return KernelOperands(
       q=head_major(ops.q, plan.seq_q_padded),
       k=head_major(ops.k, plan.seq_k_padded),

@@ -70,10 +70,13 @@ def allowed(plan: Plan, i, j, q_ids=None, kv_ids=None, mask=None):
   return ok
 
 
-def dropout_keep(plan: Plan, seed, b, h, i, j):
-  """Keep-mask ``[bq, bk]`` of the common hash at global coordinates."""
+def dropout_keep(plan: Plan, seed_ref, b, h, i, j):
+  """Keep-mask ``[bq, bk]`` of the common hash at global coordinates: ``b``/``h``
+  are local, ``seed_ref`` (SMEM, ``dropout_lib.kernel_seed``) adds the shard's
+  offsets."""
   rows, cols = positions(plan, i, j)
-  key = dropout_lib.row_key(seed, b, h, rows[:, :1])
+  key = dropout_lib.row_key(seed_ref[0], b + seed_ref[1], h + seed_ref[2],
+                            rows[:, :1])
   return dropout_lib.keep_from_row_key(key, cols, plan.spec.dropout_rate)
 
 

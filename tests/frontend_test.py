@@ -148,12 +148,47 @@ def test_flash_mha_varlen_cross_attention_and_errors():
   out = flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 6, 9)
   ref0 = reference.attention(q[None, :4], kv[None, :9], kv[None, :9])[0]
   _close(out[:4], ref0)
-  with pytest.raises(NotImplementedError, match="same array"):
-    flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 6, 9, is_causal=True)
   with pytest.raises(ValueError, match="packed"):
     flashjax.flash_mha_varlen(q[None], kv, kv, cu_q, cu_k, 6, 9)
   with pytest.raises(ValueError, match="max_seqlen_q"):
     flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 0, 9)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (3, 0)),
+                                           (True, (4, -1))])
+def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
+  # Different q and k lengths per sequence (decode-like, prefill-like, q longer
+  # than k), padding tails on both: each sequence's band is aligned bottom-right
+  # on its own, as FlashAttention does, in output and gradients.
+  lens_q, lens_k = [3, 17, 9, 1], [11, 17, 4, 6]
+  tq, tk = sum(lens_q) + 5, sum(lens_k) + 2
+  ks = jax.random.split(jax.random.key(17), 4)
+  q = jax.random.normal(ks[0], (tq, 4, 16))
+  k = jax.random.normal(ks[1], (tk, 2, 16))
+  v = jax.random.normal(ks[2], (tk, 2, 16))
+  do = jax.random.normal(ks[3], (tq, 4, 16))
+  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
+  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+
+  def packed(q, k, v):
+    return flashjax.flash_mha_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                     is_causal=causal, window_size=window)
+
+  def per_sequence(q, k, v):
+    outs, a, b = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k):
+      outs.append(reference.attention(q[None, a:a + nq], k[None, b:b + nk],
+                                      v[None, b:b + nk], causal=causal,
+                                      sliding_window=window)[0])
+      a, b = a + nq, b + nk
+    return jnp.concatenate(outs + [jnp.zeros((tq - a,) + q.shape[1:])])
+
+  out, vjp = jax.vjp(jax.jit(packed), q, k, v)
+  ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
+  _close(out, ref)
+  assert np.all(np.asarray(out[sum(lens_q):]) == 0)
+  for g, r in zip(vjp(do), ref_vjp(do)):
+    _close(g, r)
 
 
 # -- platform choice ------------------------------------------------------------------

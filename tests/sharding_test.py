@@ -79,6 +79,11 @@ CASES = [
     ("pallas-triton", (None, None, "model", None),
      "dict(sliding_window=(16, 4), logits_soft_cap=5.0)"),
     ("pallas-triton", (("data", "model"), None, None, None), "dict(sinks=sinks)"),
+    # Each shard hashes dropout at its global batch and head indices.
+    ("pallas-triton", BATCH_HEADS,
+     "dict(causal=True, dropout_rate=0.2, dropout_seed=11, sinks=sinks)"),
+    ("pallas-triton", (("data", "model"), None, None, None),
+     "dict(dropout_rate=0.3, dropout_seed=5, segment_ids=(seg, seg))"),
 ]
 
 
