@@ -2,9 +2,8 @@
 through jax-triton. Default on non-Hopper NVIDIA GPUs.
 
 This module imports neither triton nor jax-triton: ``supported`` reports them
-missing with the reason, and the kernels load on the first call. Bias, dense masks
-and dropout are not in these kernels yet and raise NotImplementedError, so the
-frontend routes such calls to Pallas-Triton.
+missing with the reason, and the kernels load on the first call. The kernels
+cover the whole contract (bias, masks and dropout included).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from .plan import Launch, TritonKernelsConfig, default_config
 NAME = "triton_gpu"
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 256
-UNSUPPORTED = ("bias", "mask", "dropout")
 
 __all__ = ["Launch", "TritonKernelsConfig", "attention_from_operands",
            "config_from_block_sizes", "default_config", "flash_attention", "supported"]
@@ -39,9 +37,6 @@ def supported(spec) -> str | None:
   reason = spec_lib.unsupported_dtype_or_head_dim(spec, "triton", DTYPES, MAX_HEAD_DIM)
   if reason:
     return reason
-  used = sorted(spec.features & set(UNSUPPORTED))
-  if used:
-    return f"triton: features {', '.join(used)} not in these kernels yet"
   return None
 
 
@@ -66,8 +61,7 @@ def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None
 
 
 def flash_attention(q, k, v, *, config: TritonKernelsConfig | None = None, **kwargs):
-  """Triton flash attention through jax-triton; the contract of DESIGN.md minus
-  bias, dense masks and dropout."""
+  """Triton flash attention through jax-triton; the contract of DESIGN.md."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config)
   return (out, lse) if spec.return_lse else out

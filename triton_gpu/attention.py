@@ -19,9 +19,11 @@ import os
 import jax
 import jax.numpy as jnp
 
+from ..common import dropout as dropout_lib
 from ..common import epilogue, vjp
 from ..common import spec as spec_lib
-from ..common.blocking import pad_axis
+from ..common.blocking import pad_axis, pad_broadcastable
+from . import plan
 from .plan import Geometry, TritonKernelsConfig, default_config
 
 _cache_dir = os.environ.get("TRITON_CACHE_DIR")
@@ -50,83 +52,104 @@ class _Static:
   config: TritonKernelsConfig
 
 
-def _constexprs(spec, geo: Geometry, bm: int, bn: int, config):
-  band = spec.band
-  return dict(
-      SQ=geo.seq_q_padded, SK=geo.seq_k_padded, HQ=spec.heads_q, HKV=spec.heads_kv,
-      D=geo.head_dim_padded, DV=geo.head_dim_v_padded, BM=bm, BN=bn,
-      SEQ_K=spec.seq_k, SCALE=float(spec.softmax_scale),
-      CAP=float(spec.logits_soft_cap or 1.0), HAS_CAP=spec.logits_soft_cap is not None,
-      HAS_SEG=spec.has_segment_ids, HAS_LEFT=band.left is not None,
-      LEFT=int(band.left or 0), HAS_RIGHT=band.right is not None,
-      RIGHT=int(band.right or 0), OFFSET=int(band.offset),
-      PRECISION=(config.fp32_precision if spec.dtype == "float32" else None))
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  q_ids: jax.Array
+  kv_ids: jax.Array
+  bias: jax.Array | None  # fp32, padded where not broadcast
+  mask: jax.Array | None  # int8, same
+  seed: jax.Array  # int32 [4] (dropout_lib.kernel_seed) or a dummy
+
+  def pointers(self):
+    """The optional operands as the kernels take them: a dummy stands in for an
+    absent one (its HAS_ flag is off, so it is never read)."""
+    dummy = jnp.zeros((1,), jnp.int32)
+    return (self.q_ids, self.kv_ids, dummy if self.bias is None else self.bias,
+            dummy if self.mask is None else self.mask, self.seed)
 
 
-def _prepare(ops, spec, geo: Geometry):
+def _constexprs(spec, geo: Geometry, bm: int, bn: int, config, x: _Inputs):
+  shape = lambda a: None if a is None else a.shape
+  return plan.constexprs(spec, geo, bm, bn, config, shape(x.bias), shape(x.mask))
+
+
+def _prepare(ops, spec, geo: Geometry) -> _Inputs:
   pad = lambda x, s, d: pad_axis(pad_axis(x, 1, s), 3, d)
+  pad_seq = lambda x: pad_broadcastable(x, geo.seq_q_padded, geo.seq_k_padded)
   q = pad(ops.q, geo.seq_q_padded, geo.head_dim_padded)
   k = pad(ops.k, geo.seq_k_padded, geo.head_dim_padded)
   v = pad(ops.v, geo.seq_k_padded, geo.head_dim_v_padded)
+  dummy = jnp.zeros((1,), jnp.int32)
+  q_ids = kv_ids = dummy
   if ops.q_segment_ids is not None:
     q_ids = pad_axis(ops.q_segment_ids, 1, geo.seq_q_padded)
     kv_ids = pad_axis(ops.kv_segment_ids, 1, geo.seq_k_padded)
-  else:  # never read (HAS_SEG is off); a pointer is still passed
-    q_ids = kv_ids = jnp.zeros((1,), jnp.int32)
-  return q, k, v, q_ids, kv_ids
+  bias = None if ops.bias is None else pad_seq(ops.bias.astype(jnp.float32))
+  mask = None if ops.mask is None else pad_seq(ops.mask.astype(jnp.int8))
+  seed = dummy if ops.dropout_seed is None else dropout_lib.kernel_seed(
+      ops.dropout_seed)
+  return _Inputs(q, k, v, q_ids, kv_ids, bias, mask, seed)
 
 
 def forward(ops, spec, static: _Static):
   cfg = static.config
   geo = Geometry.of(spec, cfg)
-  q, k, v, q_ids, kv_ids = _prepare(ops, spec, geo)
+  x = _prepare(ops, spec, geo)
   bm, bn = cfg.fwd.block_q, cfg.fwd.block_kv
   table = jnp.asarray(geo.kv_table(bm, bn))
   out, lse = jt.triton_call(
-      q, k, v, q_ids, kv_ids, table, kernel=kernels.fwd_kernel,
+      x.q, x.k, x.v, *x.pointers(), table, kernel=kernels.fwd_kernel,
       out_shape=[jax.ShapeDtypeStruct((spec.batch, geo.seq_q_padded, spec.heads_q,
-                                       geo.head_dim_v_padded), q.dtype),
+                                       geo.head_dim_v_padded), x.q.dtype),
                  jax.ShapeDtypeStruct((spec.batch, spec.heads_q, geo.seq_q_padded),
                                       jnp.float32)],
       grid=(geo.seq_q_padded // bm, spec.batch * spec.heads_q),
       num_warps=cfg.fwd.num_warps, num_stages=cfg.fwd.num_stages,
       compute_capability=_compute_capability(), name="flashjax_triton_fwd",
-      **_constexprs(spec, geo, bm, bn, cfg))
+      **_constexprs(spec, geo, bm, bn, cfg, x))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
   cfg = static.config
   geo = Geometry.of(spec, cfg)
-  q, k, v, q_ids, kv_ids = _prepare(ops, spec, geo)
-  sqp = geo.seq_q_padded
+  x = _prepare(ops, spec, geo)
+  sqp, skp = geo.seq_q_padded, geo.seq_k_padded
   row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
-  do_p = pad_axis(pad_axis(do.astype(q.dtype), 1, sqp), 3, geo.head_dim_v_padded)
-  common = (q, k, v, do_p, lse_rows, delta_rows, q_ids, kv_ids)
+  do_p = pad_axis(pad_axis(do.astype(x.q.dtype), 1, sqp), 3, geo.head_dim_v_padded)
+  common = (x.q, x.k, x.v, do_p, lse_rows, delta_rows) + x.pointers()
   cc = _compute_capability()
 
   bm, bn = cfg.dq.block_q, cfg.dq.block_kv
-  dq = jt.triton_call(
+  # With a bias the dq kernel also writes ds (zeroed first: skipped blocks stay 0).
+  ds_shape = (spec.batch, spec.heads_q, sqp, skp) if x.bias is not None else (1,)
+  dq, ds = jt.triton_call(
       *common, jnp.asarray(geo.kv_table(bm, bn)), kernel=kernels.dq_kernel,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=[jax.ShapeDtypeStruct(x.q.shape, x.q.dtype),
+                 jax.ShapeDtypeStruct(ds_shape, jnp.float32)],
+      zeroed_outputs=(1,) if x.bias is not None else (),
       grid=(sqp // bm, spec.batch * spec.heads_q), num_warps=cfg.dq.num_warps,
       num_stages=cfg.dq.num_stages, compute_capability=cc, name="flashjax_triton_dq",
-      **_constexprs(spec, geo, bm, bn, cfg))
+      **_constexprs(spec, geo, bm, bn, cfg, x))
 
   bm, bn = cfg.dkv.block_q, cfg.dkv.block_kv
   dk, dv = jt.triton_call(
       *common, jnp.asarray(geo.q_table(bm, bn)), kernel=kernels.dkv_kernel,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      grid=(geo.seq_k_padded // bn, spec.batch * spec.heads_kv),
+      out_shape=[jax.ShapeDtypeStruct(x.k.shape, x.k.dtype),
+                 jax.ShapeDtypeStruct(x.v.shape, x.v.dtype)],
+      grid=(skp // bn, spec.batch * spec.heads_kv),
       num_warps=cfg.dkv.num_warps, num_stages=cfg.dkv.num_stages,
       compute_capability=cc, name="flashjax_triton_dkv",
-      **_constexprs(spec, geo, bm, bn, cfg))
+      **_constexprs(spec, geo, bm, bn, cfg, x))
   dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta) if spec.num_sinks else None
+  dbias = None if x.bias is None else epilogue.dbias_from_ds(ds, spec, ops.bias)
   return spec_lib.Operands(
       q=dq[:, :spec.seq_q, :, :spec.head_dim],
       k=dk[:, :spec.seq_k, :, :spec.head_dim],
-      v=dv[:, :spec.seq_k, :, :spec.head_dim_v], sinks=dsinks)
+      v=dv[:, :spec.seq_k, :, :spec.head_dim_v], bias=dbias, sinks=dsinks)
 
 
 def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from ..common import dropout as dropout_lib
 from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
                              with_forward_blocks)
 from ..common.spec import AttentionSpec
@@ -113,3 +114,33 @@ class Geometry:
       b = min(max(full_hi // bq, a), hi)
       out[j] = (lo, a, b, hi)
     return out
+
+
+def _strides(shape, names):
+  """Element strides of a contiguous rank-4 array, 0 on its size-1 dims."""
+  if shape is None:
+    return dict.fromkeys(names, 0)
+  strides = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1]
+  return {n: (s if d > 1 else 0) for n, s, d in zip(names, strides, shape)}
+
+
+def constexprs(spec: AttentionSpec, geo: Geometry, bm: int, bn: int,
+               config: TritonKernelsConfig, bias_shape=None, mask_shape=None) -> dict:
+  """The kernels' constexpr arguments (listed in kernels.py) for one launch;
+  ``bias_shape``/``mask_shape`` are the padded operands' shapes, or None."""
+  band = spec.band
+  drop = spec.dropout_rate > 0
+  return dict(
+      SQ=geo.seq_q_padded, SK=geo.seq_k_padded, HQ=spec.heads_q, HKV=spec.heads_kv,
+      D=geo.head_dim_padded, DV=geo.head_dim_v_padded, BM=bm, BN=bn,
+      SEQ_K=spec.seq_k, SCALE=float(spec.softmax_scale),
+      CAP=float(spec.logits_soft_cap or 1.0), HAS_CAP=spec.logits_soft_cap is not None,
+      HAS_SEG=spec.has_segment_ids, HAS_LEFT=band.left is not None,
+      LEFT=int(band.left or 0), HAS_RIGHT=band.right is not None,
+      RIGHT=int(band.right or 0), OFFSET=int(band.offset),
+      HAS_BIAS=bias_shape is not None, **_strides(bias_shape, ("BSB", "BSH", "BSQ", "BSK")),
+      HAS_MASK=mask_shape is not None, **_strides(mask_shape, ("MSB", "MSH", "MSQ", "MSK")),
+      HAS_DROP=drop,
+      THRESH=dropout_lib.threshold(spec.dropout_rate) if drop else 0,
+      DROP_SCALE=1.0 / (1.0 - spec.dropout_rate),
+      PRECISION=(config.fp32_precision if spec.dtype == "float32" else None))

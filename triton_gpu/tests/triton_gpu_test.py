@@ -25,10 +25,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 class TestTritonGpu(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(
-      name="triton[gpu]", head_dim_ok=lambda d: d <= 256,
-      features=frozenset({"causal", "window", "segment_ids", "soft_cap", "sinks",
-                          "lse"}))
+  CAPS = conformance.Capabilities(name="triton[gpu]", head_dim_ok=lambda d: d <= 256)
 
   def attention(self, q, k, v, **kwargs):
     return triton_gpu.flash_attention(q, k, v, **kwargs)
@@ -46,6 +43,10 @@ VARIANTS = [
     ("float16", 64, dict(sliding_window=(40, 8), segment_ids=True)),
     ("float32", 256, dict(logits_soft_cap=30.0, heads_kv=1)),
     ("bfloat16", 96, dict(seq_q=77, seq_k=200, causal=True, logits_soft_cap=5.0)),
+    ("bfloat16", 64, dict(causal=True, bias=(1, 4, 1, 300), mask=(2, 1, 300, 300),
+                          dropout_rate=0.1)),
+    ("float32", 128, dict(bias=(2, 4, 300, 300), logits_soft_cap=20.0,
+                          dropout_rate=0.3, segment_ids=True)),
 ]
 TY = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -62,27 +63,31 @@ def test_every_kernel_compiles_for_ampere_and_hopper(variant, arch):
   if kw.pop("segment_ids", False):
     kw["segment_ids"] = (jax.ShapeDtypeStruct((2, kw.get("seq_q", 300)), jnp.int32),
                          jax.ShapeDtypeStruct((2, kw.get("seq_k", 300)), jnp.int32))
+  for name, dt in (("bias", jnp.float32), ("mask", jnp.bool_)):
+    if name in kw:
+      kw[name] = jax.ShapeDtypeStruct(kw[name], dt)
   spec = _spec(head_dim=d, dtype=dtype, **kw)
   assert triton_gpu.supported(spec) is None or "not installed" in triton_gpu.supported(spec)
   cfg = triton_gpu.default_config(spec)
   geo = plan.Geometry.of(spec, cfg)
-  band = spec.band
-  t, f32, i32 = TY[dtype], "*fp32", "*i32"
+  # Padded bias/mask shapes as attention.py passes them (size-1 dims broadcast).
+  padded = lambda shape: None if shape is None else tuple(
+      n if n == 1 else p for n, p in zip(
+          shape, (spec.batch, spec.heads_q, geo.seq_q_padded, geo.seq_k_padded)))
+  bias_shape, mask_shape = padded(spec.bias_shape), padded(spec.mask_shape)
+  t, f32, i32, i8 = TY[dtype], "*fp32", "*i32", "*i8"
+  bias_t = f32 if bias_shape is not None else i32
+  mask_t = i8 if mask_shape is not None else i32
+  opt = [i32, i32, bias_t, mask_t, i32, i32]  # ids, bias, mask, seed, table
   args = {
-      kernels.fwd_kernel: (cfg.fwd, [t, t, t, i32, i32, i32, t, f32]),
-      kernels.dq_kernel: (cfg.dq, [t, t, t, t, f32, f32, i32, i32, i32, t]),
-      kernels.dkv_kernel: (cfg.dkv, [t, t, t, t, f32, f32, i32, i32, i32, t, t]),
+      kernels.fwd_kernel: (cfg.fwd, [t, t, t] + opt + [t, f32]),
+      kernels.dq_kernel: (cfg.dq, [t, t, t, t, f32, f32] + opt + [t, f32]),
+      kernels.dkv_kernel: (cfg.dkv, [t, t, t, t, f32, f32] + opt + [t, t]),
   }
   for fn, (launch, ptrs) in args.items():
-    constexprs = dict(
-        SQ=geo.seq_q_padded, SK=geo.seq_k_padded, HQ=spec.heads_q, HKV=spec.heads_kv,
-        D=geo.head_dim_padded, DV=geo.head_dim_v_padded, BM=launch.block_q,
-        BN=launch.block_kv, SEQ_K=spec.seq_k, SCALE=spec.softmax_scale,
-        CAP=float(spec.logits_soft_cap or 1.0), HAS_CAP=spec.logits_soft_cap is not None,
-        HAS_SEG=spec.has_segment_ids, HAS_LEFT=band.left is not None,
-        LEFT=int(band.left or 0), HAS_RIGHT=band.right is not None,
-        RIGHT=int(band.right or 0), OFFSET=band.offset,
-        PRECISION="ieee" if dtype == "float32" else None)
+    constexprs = plan.constexprs(spec, geo, launch.block_q, launch.block_kv,
+                                 dataclasses.replace(cfg, fp32_precision="ieee"),
+                                 bias_shape, mask_shape)
     names = list(fn.arg_names)
     signature = dict(zip(names, ptrs))
     signature.update({n: "constexpr" for n in constexprs})
@@ -131,8 +136,8 @@ def test_block_tables_match_the_dense_band(seq_q, seq_k, band):
 
 def test_supported_reasons(monkeypatch):
   # The dependency check comes first; either reason names why it cannot run.
-  for s, why in ((_spec(bias=jax.ShapeDtypeStruct((1, 1, 300, 300), jnp.float32)),
-                  "bias"), (_spec(head_dim=512), "head dim 512")):
+  for s, why in ((_spec(head_dim=320), "head dim 320"),
+                 (_spec(head_dim=512), "head dim 512")):
     reason = triton_gpu.supported(s)
     assert reason and (why in reason or "not installed" in reason), reason
   real = importlib.util.find_spec
@@ -145,11 +150,13 @@ def test_supported_reasons(monkeypatch):
     triton_gpu.flash_attention(q, q, q)
 
 
-def test_unsupported_features_are_named():
+def test_every_feature_is_supported():
   if not HAS_TRITON or importlib.util.find_spec("jax_triton") is None:
     pytest.skip("the feature check comes after the dependency check")
-  reason = triton_gpu.supported(_spec(dropout_rate=0.1))
-  assert "dropout" in reason
+  assert triton_gpu.supported(_spec(
+      dropout_rate=0.1, causal=True, logits_soft_cap=3.0,
+      bias=jax.ShapeDtypeStruct((1, 4, 300, 300), jnp.float32),
+      mask=jax.ShapeDtypeStruct((2, 1, 1, 300), jnp.bool_))) is None
 
 
 def test_blocksize_environment_variables(monkeypatch):
