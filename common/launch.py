@@ -63,6 +63,31 @@ def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
   return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
 
 
+# Of the 227 KiB of shared memory a Hopper block may use, what the pipelined input
+# tiles may take (the rest: Q or dO tiles, layout conversions).
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def fit_to_shared_memory(cfg: KernelsConfig, spec,
+                         budget: int = SHARED_MEMORY_BUDGET) -> KernelsConfig:
+  """Halves each kernel's streamed tile (K/V rows for fwd and dq, Q/dO rows for
+  dkv) until ``num_stages`` copies of it fit ``budget``. The defaults are tuned
+  for 2-byte inputs; fp32 doubles their bytes (a 128-key fp32 tile at D = 128
+  with 3 stages asks for 384 KiB and fails to launch)."""
+  item = 4 if spec.dtype == "float32" else 8 if spec.dtype == "float64" else 2
+  pad = lambda d: max(16, 1 << (d - 1).bit_length())
+  row_bytes = (pad(spec.head_dim) + pad(spec.head_dim_v)) * item
+
+  def fit(c, streamed):
+    while c.num_stages * getattr(c, streamed) * row_bytes > budget and (
+        getattr(c, streamed) > 16):
+      c = dataclasses.replace(c, **{streamed: getattr(c, streamed) // 2})
+    return c
+
+  return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv"),
+                             dq=fit(cfg.dq, "block_kv"), dkv=fit(cfg.dkv, "block_q"))
+
+
 def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:
   """``cfg`` with its forward tiles overridden where given (jax-flash-attn2's
   ``blocksize_q``/``blocksize_k`` and environment variables)."""

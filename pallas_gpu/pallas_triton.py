@@ -52,7 +52,7 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
                                        num_stages=1),
                        dkv=KernelConfig(block_q=32, block_kv=32, num_warps=4,
                                         num_stages=1))
-  return launch.fit_to_lengths(cfg, spec)
+  return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec)
 
 
 def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:

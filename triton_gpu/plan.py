@@ -9,7 +9,7 @@ import numpy as np
 
 from ..common import dropout as dropout_lib
 from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
-                             with_forward_blocks)
+                             fit_to_shared_memory, with_forward_blocks)
 from ..common.spec import AttentionSpec
 
 
@@ -36,7 +36,7 @@ def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
   m = os.environ.get("BLOCKSIZE_M_FLASH_ATTN")
   n = os.environ.get("BLOCKSIZE_N_FLASH_ATTN")
   cfg = with_forward_blocks(cfg, int(m) if m else None, int(n) if n else None)
-  return fit_to_lengths(cfg, spec)
+  return fit_to_shared_memory(fit_to_lengths(cfg, spec), spec)
 
 
 @dataclasses.dataclass(frozen=True)
