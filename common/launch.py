@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+
+def tile_size(n: int) -> int:
+  """``n`` rounded up to a power of two, at least 16: Triton's tile sides (and the
+  padded head dims of the Triton-based kernels)."""
+  return max(16, 1 << (n - 1).bit_length())
+
 
 def _pow2(name, value, lo=16):
   if not isinstance(value, int) or value < lo or value & (value - 1):
@@ -57,9 +65,8 @@ class KernelsConfig:
 
 def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
   """Tiles no larger than the (power-of-two rounded) sequence lengths."""
-  fit = lambda n: max(16, 1 << (n - 1).bit_length())
-  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, fit(spec.seq_q)),
-                                       block_kv=min(c.block_kv, fit(spec.seq_k)))
+  clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, tile_size(spec.seq_q)),
+                                       block_kv=min(c.block_kv, tile_size(spec.seq_k)))
   return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
 
 
@@ -74,9 +81,8 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
   dkv) until ``num_stages`` copies of it fit ``budget``. The defaults are tuned
   for 2-byte inputs; fp32 doubles their bytes (a 128-key fp32 tile at D = 128
   with 3 stages asks for 384 KiB and fails to launch)."""
-  item = 4 if spec.dtype == "float32" else 8 if spec.dtype == "float64" else 2
-  pad = lambda d: max(16, 1 << (d - 1).bit_length())
-  row_bytes = (pad(spec.head_dim) + pad(spec.head_dim_v)) * item
+  row_bytes = ((tile_size(spec.head_dim) + tile_size(spec.head_dim_v)) *
+               jnp.dtype(spec.dtype).itemsize)
 
   def fit(c, streamed):
     while c.num_stages * getattr(c, streamed) * row_bytes > budget and (

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 
 from ..common import dropout as dropout_lib
 from ..common.blocking import pad_axis, pad_broadcastable
-from ..common.launch import KernelConfig, KernelsConfig  # noqa: F401
+from ..common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
 from ..common.mask import band_allowed
 from ..common.spec import AttentionSpec, Operands
 
@@ -54,11 +54,11 @@ class Plan:
 
   @property
   def head_dim_padded(self):
-    return max(16, 1 << (self.spec.head_dim - 1).bit_length())
+    return tile_size(self.spec.head_dim)
 
   @property
   def head_dim_v_padded(self):
-    return max(16, 1 << (self.spec.head_dim_v - 1).bit_length())
+    return tile_size(self.spec.head_dim_v)
 
   @property
   def precision(self):

@@ -57,18 +57,18 @@ class _Inputs:
   q: jax.Array
   k: jax.Array
   v: jax.Array
-  q_ids: jax.Array
-  kv_ids: jax.Array
+  q_ids: jax.Array | None  # int32, padded
+  kv_ids: jax.Array | None
   bias: jax.Array | None  # fp32, padded where not broadcast
   mask: jax.Array | None  # int8, same
-  seed: jax.Array  # int32 [4] (dropout_lib.kernel_seed) or a dummy
+  seed: jax.Array | None  # int32 [4] (dropout_lib.kernel_seed)
 
   def pointers(self):
     """The optional operands as the kernels take them: a dummy stands in for an
     absent one (its HAS_ flag is off, so it is never read)."""
     dummy = jnp.zeros((1,), jnp.int32)
-    return (self.q_ids, self.kv_ids, dummy if self.bias is None else self.bias,
-            dummy if self.mask is None else self.mask, self.seed)
+    return tuple(dummy if x is None else x
+                 for x in (self.q_ids, self.kv_ids, self.bias, self.mask, self.seed))
 
 
 def _constexprs(spec, geo: Geometry, bm: int, bn: int, config, x: _Inputs):
@@ -82,14 +82,13 @@ def _prepare(ops, spec, geo: Geometry) -> _Inputs:
   q = pad(ops.q, geo.seq_q_padded, geo.head_dim_padded)
   k = pad(ops.k, geo.seq_k_padded, geo.head_dim_padded)
   v = pad(ops.v, geo.seq_k_padded, geo.head_dim_v_padded)
-  dummy = jnp.zeros((1,), jnp.int32)
-  q_ids = kv_ids = dummy
+  q_ids = kv_ids = None
   if ops.q_segment_ids is not None:
     q_ids = pad_axis(ops.q_segment_ids, 1, geo.seq_q_padded)
     kv_ids = pad_axis(ops.kv_segment_ids, 1, geo.seq_k_padded)
   bias = None if ops.bias is None else pad_seq(ops.bias.astype(jnp.float32))
   mask = None if ops.mask is None else pad_seq(ops.mask.astype(jnp.int8))
-  seed = dummy if ops.dropout_seed is None else dropout_lib.kernel_seed(
+  seed = None if ops.dropout_seed is None else dropout_lib.kernel_seed(
       ops.dropout_seed)
   return _Inputs(q, k, v, q_ids, kv_ids, bias, mask, seed)
 

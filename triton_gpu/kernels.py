@@ -103,7 +103,7 @@ def _allowed(rows, cols, q_ids, kv_ids, mask, MASKED: tl.constexpr,
   return ok
 
 
-# Constexpr parameters shared by the three kernels (attention.py fills them):
+# Constexpr parameters shared by the three kernels (plan.constexprs fills them):
 # SQ/SK padded lengths, HQ/HKV heads, D/DV padded head dims, BM/BN tile, SEQ_K real
 # key count, SCALE, CAP/HAS_CAP soft cap, HAS_SEG, band (HAS_LEFT, LEFT, HAS_RIGHT,
 # RIGHT, OFFSET), HAS_BIAS with element strides BSB/BSH/BSQ/BSK (0 where

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..common import dropout as dropout_lib
 from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
-                             fit_to_shared_memory, with_forward_blocks)
+                             fit_to_shared_memory, tile_size, with_forward_blocks)
 from ..common.spec import AttentionSpec
 
 
@@ -63,11 +63,11 @@ class Geometry:
 
   @property
   def head_dim_padded(self):
-    return max(16, 1 << (self.spec.head_dim - 1).bit_length())
+    return tile_size(self.spec.head_dim)
 
   @property
   def head_dim_v_padded(self):
-    return max(16, 1 << (self.spec.head_dim_v - 1).bit_length())
+    return tile_size(self.spec.head_dim_v)
 
   def kv_table(self, bq: int, bk: int) -> np.ndarray:
     """``[nq, 4]`` int32: per q block, kv blocks ``lo <= a <= b <= hi``: [lo, hi)
