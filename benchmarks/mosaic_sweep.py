@@ -1,7 +1,12 @@
-"""Device-run sweep of Mosaic-GPU forward configs on a shape set, with cuDNN timed
-in the same process for ratios.
+"""Device-run sweep of Mosaic-GPU configs on a shape set, with cuDNN timed in the
+same process for ratios.
 
   python -m flashjax.benchmarks.mosaic_sweep [shape_set] [block_kv:stages ...]
+  python -m flashjax.benchmarks.mosaic_sweep --bwd [shape_set] [name=value,... ...]
+
+The forward sweep times the forward per ``block_kv:stages``; ``--bwd`` times
+``jax.grad`` (forward + backward) per set of MosaicConfig fields, e.g.
+``dq_block_kv=128,dkv_block_q=128`` (``-`` is the default config).
 """
 
 import sys
@@ -17,7 +22,49 @@ from flashjax.pallas_gpu import mosaic
 DEFAULT = ["128:2", "128:3", "64:2", "64:3", "64:4"]
 
 
+def _fields(text):
+  if text == "-":
+    return {}
+  out = {}
+  for item in text.split(","):
+    name, value = item.split("=")
+    out[name] = value if name == "backward_kernel" else int(value)
+  return out
+
+
+def sweep_backward(set_name, cands):
+  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+  for shp in shapes.get(set_name):
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
+                          jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
+                              jnp.bfloat16) for kk in ks[1:3])
+    do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+    def grad_of(attn):
+      return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+          attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), (0, 1, 2)))
+
+    base = time_ms(grad_of(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=shp.causal, implementation="cudnn")), (q, k, v),
+        iters=10, repeats=5)
+    row = [f"{shp.name:26s} cudnn fwd+bwd {base:6.3f} ms"]
+    for text in cands:
+      try:
+        cfg = mosaic.MosaicConfig(**_fields(text))
+        t = time_ms(grad_of(lambda q, k, v: mosaic.flash_attention(
+            q, k, v, causal=shp.causal, config=cfg)), (q, k, v), iters=10, repeats=5)
+        row.append(f"{text} {t:6.3f} ({base / t:.2f}x)")
+      except Exception as e:  # a config that does not fit is reported, not fatal
+        row.append(f"{text} ERR {type(e).__name__}: {str(e)[:60]}")
+    print(" | ".join(row), flush=True)
+
+
 def main():
+  if sys.argv[1:2] == ["--bwd"]:
+    args = sys.argv[2:]
+    return sweep_backward(args[0] if args else "standard", args[1:] or ["-"])
   set_name = sys.argv[1] if len(sys.argv) > 1 else "standard"
   cands = [tuple(map(int, c.split(":"))) for c in (sys.argv[2:] or DEFAULT)]
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)

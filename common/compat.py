@@ -14,3 +14,15 @@ def transpose_ref(ref, perm):
       pass
   import jax.experimental.pallas.mosaic_gpu as plgpu
   return plgpu.transpose_ref(ref, perm)
+
+
+def mgpu_load(ref, layout):
+  """``plgpu.load`` of a whole (already indexed) ref into ``layout``: 0.10 takes
+  the index positionally; 0.11 deprecates passing it (index via ``ref.at``)."""
+  import inspect
+
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)

@@ -1,15 +1,17 @@
 """Entry point of the Pallas Mosaic-GPU platform (Hopper).
 
-Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Pallas-Triton
-dq/dkv kernels, fed this forward's output and lse (a Mosaic-GPU backward is not
-written yet). Features the forward kernel lacks (bias, dense mask, segment ids,
-dropout, fp32) raise NotImplementedError, so the frontend routes those calls to
-Pallas-Triton.
+Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Mosaic-GPU
+dQ and dK/dV kernels of mosaic_bwd.py for head dims up to 128 (at 256 the dK and
+dV register accumulators do not fit), Pallas-Triton's backward above that; both
+take this forward's output and lse. Features the forward kernel lacks (bias, dense
+mask, segment ids, dropout, fp32) raise NotImplementedError, so the frontend
+routes those calls to Pallas-Triton.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,26 +19,44 @@ import jax.numpy as jnp
 from ..common import epilogue, vjp
 from ..common import spec as spec_lib
 from . import pallas_triton
-from .mosaic_fwd import Geometry
+from .mosaic_blocks import Geometry
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
 UNSUPPORTED = ("bias", "mask", "segment_ids", "dropout")
 
 
+BACKWARD_KERNELS = ("mosaic", "triton")
+MOSAIC_BWD_MAX_HEAD_DIM = 128
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicConfig:
-  """Forward tiles; ``backward`` configures the Pallas-Triton backward.
+  """Forward and backward tiles; ``backward`` configures the Pallas-Triton
+  backward where that one runs.
 
   Attributes:
-    block_q: query rows per compute warpgroup (a CTA owns two such blocks).
-    block_kv: keys per pipeline step.
-    stages: K/V shared-memory slots in flight.
+    block_q: forward and dQ query rows per compute warpgroup (a CTA owns two).
+    block_kv: forward keys per pipeline step.
+    stages: forward K/V shared-memory slots in flight.
+    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
+      <= 128) or "triton" (Pallas-Triton's backward).
+    dq_block_kv: dQ keys per pipeline step.
+    dq_stages: dQ K/V shared-memory slots in flight.
+    dkv_block_q: dK/dV query rows per pipeline step.
+    dkv_block_kv: dK/dV keys per compute warpgroup (a CTA owns two).
+    dkv_stages: dK/dV Q/dO shared-memory slots in flight.
   """
 
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
+  backward_kernel: str = "mosaic"
+  dq_block_kv: int = 64
+  dq_stages: int = 2
+  dkv_block_q: int = 64
+  dkv_block_kv: int = 64
+  dkv_stages: int = 2
   backward: pallas_triton.TritonConfig | None = None
 
   def __post_init__(self):
@@ -44,8 +64,20 @@ class MosaicConfig:
       raise ValueError(f"block_q must be 64 (one wgmma M tile), got {self.block_q}")
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
       raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
-    if self.stages < 2:
-      raise ValueError(f"stages must be >= 2, got {self.stages}")
+    for name in ("stages", "dq_stages", "dkv_stages"):
+      if getattr(self, name) < 2:
+        raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+    if self.backward_kernel not in BACKWARD_KERNELS:
+      raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
+                       f"{self.backward_kernel!r}")
+    if self.dq_block_kv not in (64, 128):
+      raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
+    if self.dkv_block_kv != 64:
+      raise ValueError(f"dkv_block_kv must be 64 (one wgmma M tile), got "
+                       f"{self.dkv_block_kv}")
+    if self.dkv_block_q % 16 or not 16 <= self.dkv_block_q <= 128:
+      raise ValueError(f"dkv_block_q must be a multiple of 16 in [16, 128], got "
+                       f"{self.dkv_block_q}")
 
 
 def padded_head_dim(spec) -> int | None:
@@ -88,6 +120,30 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       dtype=spec.dtype)
 
 
+def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:
+  """dQ and dK/dV geometries over one padding of Sq and Sk, so both kernels read
+  the same padded operands."""
+  d = padded_head_dim(spec)
+  lcm = lambda a, b: a * b // math.gcd(a, b)
+  q_tile = lcm(2 * config.block_q, config.dkv_block_q)
+  k_tile = lcm(config.dq_block_kv, 2 * config.dkv_block_kv)
+  common = dict(
+      batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
+      seq_q_padded=-(-spec.seq_q // q_tile) * q_tile,
+      seq_k_padded=-(-spec.seq_k // k_tile) * k_tile,
+      heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
+      softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype)
+  return (Geometry(block_q=config.block_q, block_kv=config.dq_block_kv,
+                   stages=config.dq_stages, **common),
+          Geometry(block_q=config.dkv_block_q, block_kv=config.dkv_block_kv,
+                   stages=config.dkv_stages, **common))
+
+
+def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
+  return (config.backward_kernel == "mosaic" and
+          padded_head_dim(spec) <= MOSAIC_BWD_MAX_HEAD_DIM)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   config: MosaicConfig
@@ -108,7 +164,29 @@ def forward(ops, spec, static: _Static):
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
-  return pallas_triton.backward(ops, spec, static.triton, out, lse, do, dlse)
+  if not uses_mosaic_backward(spec, static.config):
+    return pallas_triton.backward(ops, spec, static.triton, out, lse, do, dlse)
+  from . import mosaic_bwd  # imports Mosaic-GPU lowering only when used
+  g_dq, g_dkv = backward_geometries(spec, static.config)
+  sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
+  row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
+  stats = jnp.stack([lse_rows * mosaic_bwd.LOG2E, delta_rows], axis=2)
+  stats = stats.astype(jnp.float32)
+  q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
+  k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
+  dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
+  dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
+  if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
+    group = lambda x: x.astype(jnp.float32).reshape(
+        x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
+    dk, dv = group(dk), group(dv)
+  dsinks = None
+  if spec.num_sinks:
+    dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
+  return spec_lib.Operands(
+      q=dq[:, :spec.seq_q, :, :spec.head_dim],
+      k=dk[:, :spec.seq_k, :, :spec.head_dim].astype(ops.k.dtype),
+      v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), sinks=dsinks)
 
 
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):

@@ -15,7 +15,6 @@ phases and the ping-pong stay in step.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -25,87 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..common import compat
-from ..common.mask import Band, band_allowed
+from ..common.mask import band_allowed
+from .mosaic_blocks import Geometry, cta_block_ranges
 
 LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-  """Static shape of one call (padded: Sq to 2*block_q, Sk to block_kv, D to
-  64/128/256)."""
-
-  batch: int
-  seq_q: int  # real lengths, for masking and ranges
-  seq_k: int
-  seq_q_padded: int
-  seq_k_padded: int
-  heads_q: int
-  heads_kv: int
-  head_dim: int  # padded, q/k and v alike
-  band: Band
-  softmax_scale: float
-  soft_cap: float | None
-  block_q: int  # rows per compute warpgroup
-  block_kv: int
-  stages: int
-  dtype: str
-
-  @property
-  def group(self) -> int:
-    return self.heads_q // self.heads_kv
-
-  @property
-  def num_q_tiles(self) -> int:
-    return self.seq_q_padded // (2 * self.block_q)
-
-
-def _cdiv(a, b: int):
-  return lax.div(a + (b - 1), jnp.int32(b))
-
-
-def _clamp(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-def wg_block_ranges(g: Geometry, r0):
-  """``(lo, a, b, hi)`` kv blocks for rows ``[r0, r0 + block_q)``: blocks
-  ``[lo, hi)`` are reached, ``[a, b)`` need no mask. Empty rows give ``lo = hi``.
-  Works on Python ints and traced int32 scalars alike."""
-  band, bk = g.band, g.block_kv
-  i32 = lambda x: jnp.asarray(x, jnp.int32)
-  r0 = i32(r0)
-  r_last = jnp.minimum(r0 + g.block_q, g.seq_q) - 1
-  lo_k = i32(0) if band.left is None else jnp.maximum(r0 + band.offset - band.left, 0)
-  hi_k = i32(g.seq_k) if band.right is None else _clamp(
-      r_last + band.offset + band.right + 1, 0, g.seq_k)
-  empty = (hi_k <= lo_k) | (r0 >= g.seq_q)
-  lo = lax.div(jnp.minimum(lo_k, g.seq_k), jnp.int32(bk))
-  hi = jnp.maximum(_cdiv(hi_k, bk), lo)
-  # Interior: every row sees the whole block and the block is inside Sk.
-  first_ok = lo if band.left is None else _cdiv(
-      jnp.maximum(r_last + band.offset - band.left, 0), bk)
-  end_ok = i32(g.seq_k) if band.right is None else jnp.minimum(
-      r0 + band.offset + band.right + 1, g.seq_k)
-  a = _clamp(first_ok, lo, hi)
-  b = _clamp(lax.div(jnp.maximum(end_ok, 0), jnp.int32(bk)), a, hi)
-  lo, a, b, hi = (jnp.where(empty, i32(0), x) for x in (lo, a, b, hi))
-  return lo, a, b, hi
-
-
-def cta_block_ranges(g: Geometry, tile):
-  """Per warpgroup ranges and the CTA's walk ``[lo_c, hi_c)`` (their union)."""
-  r = [tile * (2 * g.block_q) + w * g.block_q for w in (0, 1)]
-  rng = [wg_block_ranges(g, x) for x in r]
-  nonempty = [x[3] > x[0] for x in rng]
-  big = jnp.int32(2**30)
-  lo_c = jnp.minimum(*(jnp.where(ne, x[0], big) for ne, x in zip(nonempty, rng)))
-  hi_c = jnp.maximum(*(jnp.where(ne, x[3], 0) for ne, x in zip(nonempty, rng)))
-  lo_c = jnp.where(nonempty[0] | nonempty[1], lo_c, 0)
-  hi_c = jnp.maximum(hi_c, lo_c)
-  # An empty warpgroup walks the CTA's steps as skips.
-  rng = [tuple(jnp.where(ne, x, lo_c) for x in rg) for ne, rg in zip(nonempty, rng)]
-  return rng, lo_c, hi_c
 
 
 def forward(q, k, v, g: Geometry):

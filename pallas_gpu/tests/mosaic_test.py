@@ -13,7 +13,7 @@ import pytest
 from flashjax import registry
 from flashjax.common import conformance, spec as spec_lib
 from flashjax.common.mask import Band
-from flashjax.pallas_gpu import mosaic, mosaic_fwd
+from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
 ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
 
@@ -32,7 +32,7 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
 
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
   band = Band(seq_q=seq_q, seq_k=seq_k, left=left, right=right)
-  return mosaic_fwd.Geometry(
+  return mosaic_blocks.Geometry(
       batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
       seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=1, heads_kv=1,
       head_dim=64, band=band, softmax_scale=1.0, soft_cap=None, block_q=64,
@@ -53,7 +53,7 @@ def test_block_ranges_match_the_dense_band(seq_q, seq_k, band, block_kv):
   dense = np.asarray(g.band.as_array())
   nk = g.seq_k_padded // block_kv
   for tile in range(g.num_q_tiles):
-    rng, lo_c, hi_c = mosaic_fwd.cta_block_ranges(g, tile)
+    rng, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile)
     for w in (0, 1):
       lo, a, b, hi = (int(x) for x in rng[w])
       assert int(lo_c) <= lo <= a <= b <= hi <= int(hi_c) <= nk
@@ -66,6 +66,38 @@ def test_block_ranges_match_the_dense_band(seq_q, seq_k, band, block_kv):
           assert not blk.any(), (tile, w, j)
         if a <= j < b:
           assert full, (tile, w, j)
+
+
+@pytest.mark.parametrize("seq_q,seq_k,band,block_q", [
+    (sq, sk, b, bq) for (sq, sk), b, bq in itertools.product(
+        [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 32))])
+def test_dkv_q_ranges_match_the_dense_band(seq_q, seq_k, band, block_q):
+  """dK/dV kernel, per warpgroup of 64 keys: q blocks outside [lo, hi) reach none
+  of the real keys, blocks in [a, b) reach every real key from every real row;
+  the CTA walk contains both ranges."""
+  band_ = Band(seq_q=seq_q, seq_k=seq_k, left=band[0], right=band[1])
+  g = mosaic_blocks.Geometry(
+      batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // block_q) * block_q,
+      seq_k_padded=-(-seq_k // 128) * 128, heads_q=1, heads_kv=1, head_dim=64,
+      band=band_, softmax_scale=1.0, soft_cap=None, block_q=block_q, block_kv=64,
+      stages=2, dtype="bfloat16")
+  dense = np.asarray(band_.as_array())
+  nq = g.seq_q_padded // block_q
+  for tile in range(g.num_kv_tiles):
+    rng, lo_c, hi_c = mosaic_blocks.cta_q_ranges(g, tile)
+    for w in (0, 1):
+      lo, a, b, hi = (int(x) for x in rng[w])
+      assert int(lo_c) <= lo <= a <= b <= hi <= int(hi_c) <= nq
+      k0 = tile * 128 + w * 64
+      cols = dense[:, k0:min(k0 + 64, seq_k)]
+      for i in range(nq):
+        blk = cols[i * block_q:(i + 1) * block_q]
+        if not lo <= i < hi:
+          assert not blk.any(), (tile, w, i)
+        if a <= i < b:
+          assert blk.all(), (tile, w, i)
+      if cols.size and cols.any():
+        assert hi > lo
 
 
 VARIANTS = [
@@ -99,6 +131,19 @@ def test_every_variant_lowers_for_cuda(variant):
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
+  def bwd(q, k, v, *sinks):
+    ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
+    config = mosaic.default_config(spec)
+    static = mosaic._Static(config, pallas_triton._Static(
+        pallas_triton.default_config(spec), False))
+    out, lse = mosaic.forward(ops, spec, static)
+    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+
+  text = jax.jit(bwd).trace(q, k, k, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  # Forward, dQ and dK/dV kernels up to D = 128; Pallas-Triton backward beyond.
+  assert text.count("custom_call @mosaic_gpu") == (3 if shape["head_dim"] <= 128 else 1)
+
 
 def test_supported_reasons():
   s = lambda **kw: spec_lib.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2,
@@ -122,3 +167,28 @@ def test_config_validation():
     mosaic.MosaicConfig(block_kv=96)
   with pytest.raises(ValueError, match="stages"):
     mosaic.MosaicConfig(stages=1)
+  with pytest.raises(ValueError, match="dkv_stages"):
+    mosaic.MosaicConfig(dkv_stages=1)
+  with pytest.raises(ValueError, match="backward_kernel"):
+    mosaic.MosaicConfig(backward_kernel="cudnn")
+  with pytest.raises(ValueError, match="dq_block_kv"):
+    mosaic.MosaicConfig(dq_block_kv=96)
+  with pytest.raises(ValueError, match="dkv_block_q"):
+    mosaic.MosaicConfig(dkv_block_q=40)
+
+
+def test_backward_kernel_choice():
+  """Mosaic backward up to D = 128 unless the config asks for Pallas-Triton's;
+  both backward kernels share one padding of Sq and Sk."""
+  s = lambda d, **kw: spec_lib.abstract_spec(batch=1, seq_q=300, seq_k=200, heads_q=2,
+                                             head_dim=d, dtype="bfloat16", **kw)
+  cfg = mosaic.MosaicConfig()
+  assert mosaic.uses_mosaic_backward(s(64), cfg)
+  assert mosaic.uses_mosaic_backward(s(96), cfg)
+  assert not mosaic.uses_mosaic_backward(s(256), cfg)
+  assert not mosaic.uses_mosaic_backward(
+      s(64), mosaic.MosaicConfig(backward_kernel="triton"))
+  g_dq, g_dkv = mosaic.backward_geometries(s(96), mosaic.MosaicConfig(dkv_block_q=32))
+  assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
+  assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
+  assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 32, 64)

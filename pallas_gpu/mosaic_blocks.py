@@ -1,0 +1,139 @@
+"""Static geometry and band block ranges of the Mosaic-GPU kernels.
+
+Every range function works on Python ints and traced int32 scalars alike, so the
+kernels compute their walks from the grid index and the tests check them on the
+host against the dense band.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from ..common.mask import Band
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static shape of one call.
+
+  Forward: ``block_q`` rows per compute warpgroup (a CTA owns two), ``block_kv``
+  keys per pipeline step; Sq padded to ``2 * block_q``, Sk to ``block_kv``.
+  dK/dV kernel: ``block_kv`` keys per compute warpgroup (a CTA owns two),
+  ``block_q`` rows per pipeline step; Sk padded to ``2 * block_kv``, Sq to
+  ``block_q``. D is padded to 64/128/256 in both.
+  """
+
+  batch: int
+  seq_q: int  # real lengths, for masking and ranges
+  seq_k: int
+  seq_q_padded: int
+  seq_k_padded: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int  # padded, q/k and v alike
+  band: Band
+  softmax_scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+  stages: int
+  dtype: str
+
+  @property
+  def group(self) -> int:
+    return self.heads_q // self.heads_kv
+
+  @property
+  def num_q_tiles(self) -> int:
+    return self.seq_q_padded // (2 * self.block_q)
+
+  @property
+  def num_kv_tiles(self) -> int:
+    return self.seq_k_padded // (2 * self.block_kv)
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def wg_block_ranges(g: Geometry, r0):
+  """``(lo, a, b, hi)`` kv blocks for rows ``[r0, r0 + block_q)``: blocks
+  ``[lo, hi)`` are reached, ``[a, b)`` need no mask. Empty rows give ``lo = hi``."""
+  band, bk = g.band, g.block_kv
+  r0 = _i32(r0)
+  r_last = jnp.minimum(r0 + g.block_q, g.seq_q) - 1
+  lo_k = _i32(0) if band.left is None else jnp.maximum(r0 + band.offset - band.left, 0)
+  hi_k = _i32(g.seq_k) if band.right is None else _clamp(
+      r_last + band.offset + band.right + 1, 0, g.seq_k)
+  empty = (hi_k <= lo_k) | (r0 >= g.seq_q)
+  lo = lax.div(jnp.minimum(lo_k, g.seq_k), jnp.int32(bk))
+  hi = jnp.maximum(_cdiv(hi_k, bk), lo)
+  # Interior: every row sees the whole block and the block is inside Sk.
+  first_ok = lo if band.left is None else _cdiv(
+      jnp.maximum(r_last + band.offset - band.left, 0), bk)
+  end_ok = _i32(g.seq_k) if band.right is None else jnp.minimum(
+      r0 + band.offset + band.right + 1, g.seq_k)
+  a = _clamp(first_ok, lo, hi)
+  b = _clamp(lax.div(jnp.maximum(end_ok, 0), jnp.int32(bk)), a, hi)
+  return tuple(jnp.where(empty, _i32(0), x) for x in (lo, a, b, hi))
+
+
+def wg_q_ranges(g: Geometry, k0):
+  """``(lo, a, b, hi)`` q blocks for keys ``[k0, k0 + block_kv)`` (the dK/dV
+  kernel's transpose of :func:`wg_block_ranges`): blocks ``[lo, hi)`` reach the
+  keys, ``[a, b)`` need no band mask. Rows past Sq need no mask there (their lse
+  is +inf, so p = 0) and keys past Sk are padding whose dK/dV rows are cut off."""
+  band, bq = g.band, g.block_q
+  k0 = _i32(k0)
+  k_last = jnp.minimum(k0 + g.block_kv, g.seq_k) - 1
+  q_lo = _i32(0) if band.right is None else jnp.maximum(
+      k0 - band.offset - band.right, 0)
+  q_hi = _i32(g.seq_q) if band.left is None else _clamp(
+      k_last - band.offset + band.left + 1, 0, g.seq_q)
+  empty = (q_hi <= q_lo) | (k0 >= g.seq_k)
+  lo = lax.div(jnp.minimum(q_lo, g.seq_q), jnp.int32(bq))
+  hi = jnp.maximum(_cdiv(q_hi, bq), lo)
+  # Interior: every row of the block sees every (real) key of the block.
+  first_ok = lo if band.right is None else _cdiv(
+      jnp.maximum(k_last - band.offset - band.right, 0), bq)
+  a = _clamp(first_ok, lo, hi)
+  b = hi if band.left is None else _clamp(
+      lax.div(jnp.maximum(k0 - band.offset + band.left + 1, 0), jnp.int32(bq)), a, hi)
+  return tuple(jnp.where(empty, _i32(0), x) for x in (lo, a, b, hi))
+
+
+def union_walk(rng):
+  """Two warpgroups' ranges -> (ranges, lo_c, hi_c): the CTA walks ``[lo_c, hi_c)``,
+  the union; an empty warpgroup's range collapses to ``lo_c`` so it walks every
+  step as a skip."""
+  nonempty = [x[3] > x[0] for x in rng]
+  big = jnp.int32(2**30)
+  lo_c = jnp.minimum(*(jnp.where(ne, x[0], big) for ne, x in zip(nonempty, rng)))
+  hi_c = jnp.maximum(*(jnp.where(ne, x[3], 0) for ne, x in zip(nonempty, rng)))
+  lo_c = jnp.where(nonempty[0] | nonempty[1], lo_c, 0)
+  hi_c = jnp.maximum(hi_c, lo_c)
+  rng = [tuple(jnp.where(ne, x, lo_c) for x in rg) for ne, rg in zip(nonempty, rng)]
+  return rng, lo_c, hi_c
+
+
+def cta_block_ranges(g: Geometry, tile):
+  """Forward: per warpgroup kv ranges of q tile ``tile`` and the CTA's walk."""
+  return union_walk([wg_block_ranges(g, tile * (2 * g.block_q) + w * g.block_q)
+                     for w in (0, 1)])
+
+
+def cta_q_ranges(g: Geometry, tile):
+  """dK/dV: per warpgroup q ranges of kv tile ``tile`` and the CTA's walk."""
+  return union_walk([wg_q_ranges(g, tile * (2 * g.block_kv) + w * g.block_kv)
+                     for w in (0, 1)])

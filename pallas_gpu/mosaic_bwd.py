@@ -1,0 +1,338 @@
+"""Mosaic-GPU backward kernels for Hopper: dK/dV (key-stationary) and dQ
+(query-stationary), FlashAttention-2's backward split in two so that no atomics
+are needed and results are deterministic.
+
+dK/dV kernel.
+
+One CTA owns ``2 * block_kv`` keys of one (batch, query head). Two compute
+warpgroups each keep ``block_kv`` keys of K and V in shared memory and their dK and
+dV accumulators in registers; a memory warpgroup streams the query blocks that
+reach either warpgroup's keys (Q, dO and each row's lse and delta) through a ring of
+shared-memory slots with TMA. Per query block a warpgroup runs, on the tensor cores
+(wgmma):
+
+  S^T = K Q^T,  P^T = exp2(S^T * scale * log2(e) - lse * log2(e)),
+  dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T (dP^T - delta),  dK += dS^T Q.
+
+Working on the transposes keeps every product's left operand either in shared
+memory (K, V) or in registers (P^T, dS^T), as wgmma requires, with no transpose of
+a register tile. Band blocks: each warpgroup splits the CTA's walk into skip /
+masked / plain / masked / skip phases, like the forward; skip steps still wait
+for the slot's data and release it so barrier phases stay in step.
+
+dK and dV come out per query head; for grouped heads XLA sums each group.
+
+dQ kernel: the forward's layout (two compute warpgroups of ``block_q`` rows, a
+memory warpgroup streaming K and V blocks), with S = Q K^T, P = exp2(S * scale *
+log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from ..common import compat
+from ..common.mask import band_allowed
+from .mosaic_blocks import Geometry, cta_block_ranges, cta_q_ranges
+
+LOG2E = math.log2(math.e)
+
+
+def dkv(q, k, v, do, stats, g: Geometry):
+  """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
+  ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
+  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  dtype = q.dtype
+  scale2 = g.softmax_scale * LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, smem, bars, free):
+    b_idx = lax.axis_index("b")
+    h = lax.axis_index("h")
+    tile = lax.axis_index("kt")
+    wg = lax.axis_index("wg")
+    q_smem, do_smem, st_smem, k_smem, v_smem = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar = bars
+    ranges, lo_c, hi_c = cta_q_ranges(g, tile)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
+      lo, a, bb, hi = (pick(i) for i in range(4))
+      k0 = tile * (2 * bk) + wg * bk
+      kv_h = lax.div(h, jnp.int32(g.group))
+      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+      rows = (b_idx, pl.ds(k0, bk), kv_h)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
+      plgpu.barrier_wait(k_bar.at[wg])
+      plgpu.barrier_wait(v_bar.at[wg])
+
+      zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
+                                              plgpu.Layout.WGMMA)
+      col = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+
+      def step(s, carry, masked: bool):
+        dk, dv = carry
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        my_q, my_do = q_smem.at[slot], do_smem.at[slot]
+        plgpu.barrier_wait(q_bar.at[slot])
+
+        def st_product(acc_ref):
+          plgpu.wgmma(acc_ref, my_k, compat.transpose_ref(my_q, (1, 0)))
+          return acc_ref[...]
+
+        st = pl.run_scoped(st_product, plgpu.ACC((bk, bq), jnp.float32))
+        plgpu.barrier_wait(st_bar.at[slot])
+        lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
+        delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
+        tanh = None
+        if g.soft_cap is not None:
+          tanh = jnp.tanh(st * (g.softmax_scale / g.soft_cap))
+          logits2 = tanh * (g.soft_cap * LOG2E)
+        else:
+          logits2 = st * scale2
+        pt = jnp.exp2(logits2 - col(lse2))
+        if masked:
+          keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0,
+                                        layout=plgpu.Layout.WGMMA) + k0
+          qrows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1,
+                                         layout=plgpu.Layout.WGMMA) + s * bq
+          pt = jnp.where(band_allowed(qrows, keys, g.band), pt, 0.0)
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        def dv_and_dpt(refs):
+          # One wgmma group for both products: a single wait.
+          dv_ref, dpt_ref = refs
+          plgpu.wgmma(dv_ref, pt.astype(dtype), my_do)
+          plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(my_do, (1, 0)))
+
+        dv, dpt = pl.run_state(dv_and_dpt)(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
+        dst = pt * (dpt - col(delta))
+        if tanh is not None:
+          dst = dst * (1.0 - tanh * tanh)
+
+        def dk_product(acc_ref):
+          plgpu.wgmma(acc_ref, dst.astype(dtype), my_q)
+
+        dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      def skip(s, carry):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        for bar in (q_bar, st_bar, do_bar):
+          plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+        return carry
+
+      carry = (zeros((bk, d)), zeros((bk, d)))
+      lax.fori_loop(lo_c, lo, skip, None)
+      carry = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), carry)
+      carry = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), carry)
+      carry = lax.fori_loop(bb, hi, lambda s, c: step(s, c, True), carry)
+      lax.fori_loop(hi, hi_c, skip, None)
+      dk, dv = carry
+
+      my_k[...] = (dk * g.softmax_scale).astype(dtype)
+      my_v[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      out_rows = (b_idx, pl.ds(k0, bk), h)
+      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[out_rows])
+      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(s, slot):
+        rows = (b_idx, pl.ds(s * bq, bq), h)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+        plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
+                                st_smem.at[slot], st_bar.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
+
+      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
+      def _refill(s):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        load(s, slot)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref):
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (
+        plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, 2, bq), jnp.float32),
+        plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
+        plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
+    )
+    bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
+    free = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
+                               *scoped),
+        smem, bars, free, collective_axes="wg")
+
+  shape = (g.batch, g.seq_k_padded, g.heads_q, d)
+  out_type = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, dtype))
+  return plgpu.kernel(
+      entry, out_type=out_type,
+      grid=(g.num_kv_tiles, g.heads_q, g.batch), grid_names=("kt", "h", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats)
+
+
+def dq(q, k, v, do, stats, g: Geometry):
+  """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
+  block_q``, Sk to ``block_kv``). Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  dtype = q.dtype
+  scale2 = g.softmax_scale * LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, smem, bars, free):
+    b_idx = lax.axis_index("b")
+    h = lax.axis_index("h")
+    # Reverse tile order: the longest causal rows start first.
+    tile = (g.num_q_tiles - 1) - lax.axis_index("qt")
+    wg = lax.axis_index("wg")
+    q_smem, do_smem, st_smem, k_smem, v_smem = smem
+    q_bar, k_bar, v_bar = bars
+    k_free, v_free = free
+    ranges, lo_c, hi_c = cta_block_ranges(g, tile)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
+      lo, a, bb, hi = (pick(i) for i in range(4))
+      r0 = tile * (2 * bq) + wg * bq
+      my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
+      rows = (b_idx, pl.ds(r0, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, q_bar.at[3 * wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, q_bar.at[3 * wg + 1])
+      plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(r0, bq)], my_st,
+                              q_bar.at[3 * wg + 2])
+      for i in range(3):
+        plgpu.barrier_wait(q_bar.at[3 * wg + i])
+      lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
+      delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
+      row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
+      zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
+                                              plgpu.Layout.WGMMA)
+
+      def step(s, acc, masked: bool):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def s_and_dp(refs):
+          s_ref, dp_ref = refs
+          plgpu.wgmma(s_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(dp_ref, my_do, compat.transpose_ref(v_smem.at[slot], (1, 0)))
+
+        s_, dp = pl.run_state(s_and_dp)(
+            (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk)))))
+        plgpu.barrier_arrive(v_free.at[slot])
+        tanh = None
+        if g.soft_cap is not None:
+          tanh = jnp.tanh(s_ * (g.softmax_scale / g.soft_cap))
+          logits2 = tanh * (g.soft_cap * LOG2E)
+        else:
+          logits2 = s_ * scale2
+        p = jnp.exp2(logits2 - row(lse2))
+        if masked:
+          qrows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                         layout=plgpu.Layout.WGMMA) + r0
+          keys = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                        layout=plgpu.Layout.WGMMA) + s * bk
+          ok = keys < g.seq_k
+          if not g.band.is_full:
+            ok = ok & band_allowed(qrows, keys, g.band)
+          p = jnp.where(ok, p, 0.0)
+        ds = p * (dp - row(delta))
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+
+        def dq_product(acc_ref):
+          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+        acc = pl.run_state(dq_product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc
+
+      def skip(s, carry):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        return carry
+
+      acc = zeros((bq, d))
+      lax.fori_loop(lo_c, lo, skip, None)
+      acc = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), acc)
+      acc = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), acc)
+      acc = lax.fori_loop(bb, hi, lambda s, c: step(s, c, True), acc)
+      lax.fori_loop(hi, hi_c, skip, None)
+
+      my_q[...] = (acc * g.softmax_scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_h = lax.div(h, jnp.int32(g.group))
+
+      def load(s, slot):
+        rows = (b_idx, pl.ds(s * bk, bk), kv_h)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
+
+      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
+      def _refill(s):
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(s, slot)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref):
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+        plgpu.SMEM((2, 2, bq), jnp.float32),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+    )
+    bars = (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages))
+    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, *scoped),
+        smem, bars, free, collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(g.num_q_tiles, g.heads_q, g.batch), grid_names=("qt", "h", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats)
