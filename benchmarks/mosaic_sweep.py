@@ -32,15 +32,20 @@ def _fields(text):
   return out
 
 
+def _inputs(shp):
+  """Random bf16 q, k, v and an output cotangent for one shape."""
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
+                        jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
+                            jnp.bfloat16) for kk in ks[1:3])
+  return q, k, v, jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+
 def sweep_backward(set_name, cands):
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   for shp in shapes.get(set_name):
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
-                          jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
-                              jnp.bfloat16) for kk in ks[1:3])
-    do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    q, k, v, do = _inputs(shp)
 
     def grad_of(attn):
       return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
@@ -69,11 +74,7 @@ def main():
   cands = [tuple(map(int, c.split(":"))) for c in (sys.argv[2:] or DEFAULT)]
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   for shp in shapes.get(set_name):
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
-                          jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
-                              jnp.bfloat16) for kk in ks[1:])
+    q, k, v, _ = _inputs(shp)
     band = Band(seq_q=shp.seq_q, seq_k=shp.seq_k, right=0 if shp.causal else None)
     fl = flops.forward_flops(batch=shp.batch, heads_q=shp.heads_q,
                              head_dim=shp.head_dim, band=band)

@@ -39,9 +39,29 @@ from jax import lax
 
 from ..common import compat
 from ..common.mask import band_allowed
+from . import mosaic_pipeline
 from .mosaic_blocks import Geometry, cta_block_ranges, cta_q_ranges
 
 LOG2E = math.log2(math.e)
+
+
+def _probs(scores, lse2, g: Geometry):
+  """p = exp2(logits * log2(e) - lse2) from raw QK^T scores (``lse2`` already
+  broadcast), and tanh of the soft-capped logits for the chain rule (or None)."""
+  if g.soft_cap is None:
+    return jnp.exp2(scores * (g.softmax_scale * LOG2E) - lse2), None
+  tanh = jnp.tanh(scores * (g.softmax_scale / g.soft_cap))
+  return jnp.exp2(tanh * (g.soft_cap * LOG2E) - lse2), tanh
+
+
+def _dscores(p, dp, delta, tanh):
+  """dS = P (dP - delta), through the soft cap when there is one."""
+  ds = p * (dp - delta)
+  return ds if tanh is None else ds * (1.0 - tanh * tanh)
+
+
+def _index(shape, dim, start):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
 
 
 def dkv(q, k, v, do, stats, g: Geometry):
@@ -50,7 +70,6 @@ def dkv(q, k, v, do, stats, g: Geometry):
   rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
-  scale2 = g.softmax_scale * LOG2E
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, smem, bars, free):
     b_idx = lax.axis_index("b")
@@ -93,18 +112,9 @@ def dkv(q, k, v, do, stats, g: Geometry):
         plgpu.barrier_wait(st_bar.at[slot])
         lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
         delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
-        tanh = None
-        if g.soft_cap is not None:
-          tanh = jnp.tanh(st * (g.softmax_scale / g.soft_cap))
-          logits2 = tanh * (g.soft_cap * LOG2E)
-        else:
-          logits2 = st * scale2
-        pt = jnp.exp2(logits2 - col(lse2))
+        pt, tanh = _probs(st, col(lse2), g)
         if masked:
-          keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0,
-                                        layout=plgpu.Layout.WGMMA) + k0
-          qrows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1,
-                                         layout=plgpu.Layout.WGMMA) + s * bq
+          keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
           pt = jnp.where(band_allowed(qrows, keys, g.band), pt, 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
 
@@ -116,9 +126,7 @@ def dkv(q, k, v, do, stats, g: Geometry):
 
         dv, dpt = pl.run_state(dv_and_dpt)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
-        dst = pt * (dpt - col(delta))
-        if tanh is not None:
-          dst = dst * (1.0 - tanh * tanh)
+        dst = _dscores(pt, dpt, col(delta), tanh)
 
         def dk_product(acc_ref):
           plgpu.wgmma(acc_ref, dst.astype(dtype), my_q)
@@ -150,25 +158,14 @@ def dkv(q, k, v, do, stats, g: Geometry):
       plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+    def load(s, slot):
+      rows = (b_idx, pl.ds(s * bq, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
+                              st_smem.at[slot], st_bar.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
 
-      def load(s, slot):
-        rows = (b_idx, pl.ds(s * bq, bq), h)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
-        plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
-                                st_smem.at[slot], st_bar.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
-
-      for i in range(stages):
-        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
-
-      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
-      def _refill(s):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(free.at[slot])
-        load(s, slot)
+    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load, (free,)))
 
   def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -201,7 +198,6 @@ def dq(q, k, v, do, stats, g: Geometry):
   block_q``, Sk to ``block_kv``). Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
-  scale2 = g.softmax_scale * LOG2E
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, smem, bars, free):
     b_idx = lax.axis_index("b")
@@ -247,25 +243,14 @@ def dq(q, k, v, do, stats, g: Geometry):
         s_, dp = pl.run_state(s_and_dp)(
             (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk)))))
         plgpu.barrier_arrive(v_free.at[slot])
-        tanh = None
-        if g.soft_cap is not None:
-          tanh = jnp.tanh(s_ * (g.softmax_scale / g.soft_cap))
-          logits2 = tanh * (g.soft_cap * LOG2E)
-        else:
-          logits2 = s_ * scale2
-        p = jnp.exp2(logits2 - row(lse2))
+        p, tanh = _probs(s_, row(lse2), g)
         if masked:
-          qrows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                         layout=plgpu.Layout.WGMMA) + r0
-          keys = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                        layout=plgpu.Layout.WGMMA) + s * bk
+          qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
           ok = keys < g.seq_k
           if not g.band.is_full:
             ok = ok & band_allowed(qrows, keys, g.band)
           p = jnp.where(ok, p, 0.0)
-        ds = p * (dp - row(delta))
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
+        ds = _dscores(p, dp, row(delta), tanh)
 
         def dq_product(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -294,25 +279,9 @@ def dq(q, k, v, do, stats, g: Geometry):
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_h = lax.div(h, jnp.int32(g.group))
-
-      def load(s, slot):
-        rows = (b_idx, pl.ds(s * bk, bk), kv_h)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-      for i in range(stages):
-        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
-
-      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
-      def _refill(s):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(s, slot)
+    load = mosaic_pipeline.kv_loader(g, (k_ref, v_ref), (k_smem, v_smem),
+                                     (k_bar, v_bar), b_idx, lax.div(h, jnp.int32(g.group)))
+    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load, free))
 
   def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -25,6 +25,7 @@ from jax import lax
 
 from ..common import compat
 from ..common.mask import band_allowed
+from . import mosaic_pipeline
 from .mosaic_blocks import Geometry, cta_block_ranges
 
 LOG2E = math.log2(math.e)
@@ -159,25 +160,10 @@ def forward(q, k, v, g: Geometry):
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_h = lax.div(h, jnp.int32(g.group))
-
-      def load(s, slot):
-        rows = (b_idx, pl.ds(s * bk, bk), kv_h)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-      for i in range(stages):
-        pl.when(lo_c + i < hi_c)(lambda i=i: load(lo_c + i, i))
-
-      @pl.loop(lo_c + stages, jnp.maximum(hi_c, lo_c + stages))
-      def _refill(s):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(s, slot)
+    load = mosaic_pipeline.kv_loader(g, (k_ref, v_ref), (k_smem, v_smem),
+                                     (k_bar, v_bar), b_idx, lax.div(h, jnp.int32(g.group)))
+    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load,
+                                                     (k_free, v_free)))
 
   def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
