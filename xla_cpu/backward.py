@@ -42,37 +42,37 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
     k_blk = blocks.slice_kv(prep.k, lay, j)
     v_blk = blocks.slice_kv(prep.v, lay, j)
 
-    def step(i, inner, positional):
+    def step(lay_q, i, j, inner, positional):
       dk, dv, dq, dbias = inner
-      q_blk = blocks.slice_q(prep.q, lay, i)
-      do_blk = blocks.slice_q(do, lay, i)
-      s, t = blocks.logits(prep, lay, q_blk, k_blk, i, j)
-      p = jnp.exp(s - blocks.slice_q(lse_safe, lay, i)[..., None])
-      ok = blocks.allowed(prep, lay, i, j, positional)
+      q_blk = blocks.slice_q(prep.q, lay_q, i)
+      do_blk = blocks.slice_q(do, lay_q, i)
+      s, t = blocks.logits(prep, lay_q, q_blk, k_blk, i, j)
+      p = jnp.exp(s - blocks.slice_q(lse_safe, lay_q, i)[..., None])
+      ok = blocks.allowed(prep, lay_q, i, j, positional)
       if ok is not None:
         p = jnp.where(ok, p, 0.0)
       dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk.astype(acc_dt),
                       precision=lay.precision)
       pd = p
       if spec.dropout_rate > 0:
-        keep = blocks.dropout_keep(prep, lay, i, j)
+        keep = blocks.dropout_keep(prep, lay_q, i, j)
         pd = jnp.where(keep, p * keep_scale, 0.0)
         dp = jnp.where(keep, dp * keep_scale, 0.0)
       dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", pd, do_blk, precision=lay.precision)
-      ds = p * (dp - blocks.slice_q(delta, lay, i)[..., None])
+      ds = p * (dp - blocks.slice_q(delta, lay_q, i)[..., None])
       if t is not None:
         ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
       if dbias is not None:
         db = epilogue.reduce_to_shape(ds, dbias.shape)
-        starts = [0, 0, 0, i * lay.block_q if dbias.shape[3] > 1 else 0,
+        starts = [0, 0, 0, i * lay_q.block_q if dbias.shape[3] > 1 else 0,
                   j * lay.block_kv if dbias.shape[4] > 1 else 0]
         old = jax.lax.dynamic_slice(dbias, starts, db.shape)
         dbias = jax.lax.dynamic_update_slice(dbias, old + db, starts)
       ds_c = ds.astype(lay.compute_dtype)
       dq_blk = jnp.einsum("bhgqk,bhkd->bhgqd", ds_c, k_blk, precision=lay.precision,
                           preferred_element_type=acc_dt) * scale
-      start = i * lay.block_q
-      old = jax.lax.dynamic_slice_in_dim(dq, start, lay.block_q, 3)
+      start = i * lay_q.block_q
+      old = jax.lax.dynamic_slice_in_dim(dq, start, lay_q.block_q, 3)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, old + dq_blk, start, 3)
       dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds_c, q_blk, precision=lay.precision,
                            preferred_element_type=acc_dt) * scale

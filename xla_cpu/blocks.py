@@ -40,21 +40,70 @@ class Layout(BlockGrid):
     return out
 
 
+  @property
+  def splits_rows(self) -> bool:
+    """Edge blocks that only half of a q block's rows reach run at half height."""
+    return self.block_q % 2 == 0
+
+  def halved(self) -> "Layout":
+    """The same grid with half-height q blocks: block ``2i`` (``2i + 1``) is the
+    top (bottom) half of block ``i``."""
+    return dataclasses.replace(self, block_q=self.block_q // 2)
+
+  def _half_reach(self) -> np.ndarray:
+    """``[2, nq, nk]`` bool: whether the top (0) / bottom (1) half of q block i
+    reaches kv block j through the band."""
+    band, half = self.spec.band, self.block_q // 2
+    bounds = np.zeros((2, self.num_q_blocks, 2), np.int64)  # key range, empty = (0, 0)
+    for i in range(self.num_q_blocks):
+      for h in range(2):
+        r0 = i * self.block_q + h * half
+        r1 = min(r0 + half, self.spec.seq_q)
+        if r1 > r0:
+          bounds[h, i] = band.kv_bounds(r0, r1)
+    c0 = np.arange(self.num_kv_blocks) * self.block_kv
+    c1 = np.minimum(c0 + self.block_kv, self.spec.seq_k)
+    k0, k1 = bounds[..., :1], bounds[..., 1:]
+    return (k0 < k1) & (c0 < k1) & (k0 < c1)
+
   def split_ranges(self, over_kv: bool) -> tuple[np.ndarray, ...]:
-    """Per outer block, ``(lo, a, b, hi)``: the blocks ``[lo, hi)`` it reaches,
-    of which ``[a, b)`` need no positional mask and the rest do."""
+    """Per outer block, ``(lo, t, a, b, h, hi)``: the inner blocks ``[lo, hi)``
+    it reaches, of which ``[a, b)`` need no positional mask and the rest do.
+
+    Of the masked ones, ``[lo, t)`` and ``[h, hi)`` are reached by one half of
+    the q rows only and run at half height: walking kv blocks (``over_kv``) the
+    band's left edge is seen by the top rows alone and its right edge (causal)
+    by the bottom rows alone; walking q blocks it is the other way round.
+    """
     partial = self.partial_blocks()
     lo, hi = self.kv_block_ranges() if over_kv else self.q_block_ranges()
+    reach = self._half_reach() if self.splits_rows else None
     if not over_kv:
       partial = partial.T
+      if reach is not None:
+        reach = reach[::-1].transpose(0, 2, 1)  # [first-run half, last-run half]
     a, b = hi.copy(), hi.copy()
+    t, h = lo.copy(), hi.copy()
     for o in range(len(lo)):
-      inner = np.flatnonzero(~partial[o, lo[o]:hi[o]]) + lo[o]
+      run = slice(lo[o], hi[o])
+      if reach is not None:
+        # Leading blocks the second half does not reach and trailing ones the
+        # first half does not reach (by convexity, one run at each end).
+        second = np.flatnonzero(reach[1, o, run])
+        first = np.flatnonzero(reach[0, o, run])
+        t[o] = lo[o] + second[0] if second.size else hi[o]
+        h[o] = lo[o] + first[-1] + 1 if first.size else lo[o]
+      inner = np.flatnonzero(~partial[o, run]) + lo[o]
       if inner.size:
         a[o], b[o] = inner[0], inner[-1] + 1
         # Interior blocks form one run (the band is convex, the tail is last).
         assert not partial[o, a[o]:b[o]].any(), (o, partial[o])
-    return lo, a, b, hi
+      else:
+        a[o] = b[o] = min(t[o], hi[o])
+      # Interior blocks are reached by all rows, so only masked ones are halved.
+      t[o] = min(t[o], a[o])
+      h[o] = max(h[o], b[o])
+    return lo, t, a, b, h, hi
 
 
 def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
@@ -233,30 +282,54 @@ def segment_ranges(prep: Prepared, lay: Layout):
 
 
 def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
-                over_kv: bool):
-  """Runs ``step(inner, carry, positional)`` over the blocks that outer block
-  ``outer`` reaches: kv blocks of q block ``outer`` (``over_kv``) or q blocks of
-  kv block ``outer``.
+                over_kv: bool, halves=None):
+  """Runs ``step(lay_q, i, j, carry, positional)`` over the blocks that outer
+  block ``outer`` reaches: kv blocks ``j`` of q block ``outer`` (``over_kv``) or
+  q blocks ``i`` of kv block ``outer``. ``lay_q`` is ``lay``, or ``lay.halved()``
+  with ``i`` the index of a half-height block.
 
-  The band and the key tail cut blocks only at both ends of each range, so three
-  loops (partial, interior, partial) apply the positional mask only where it is
-  needed, with no per-block branch. Blocks whose segment ranges cannot meet are
-  skipped with a cond (segment ids are data).
+  The band and the key tail cut blocks only at both ends of each range, so
+  loops over runs (masked, interior, masked) apply the positional mask only where
+  it is needed, with no per-block branch. At the band's edges, blocks that only
+  half of the q rows reach run at half height: half the products, with large
+  enough blocks to stay efficient (the causal diagonal costs about 3/4 of its
+  square instead of all of it). Walking kv blocks, the carry is the per-row state
+  of the q block, so ``halves = (take, put)`` cuts it (``take(carry, half)``) and
+  joins it back (``put(carry, sub, half)``). Blocks whose segment ranges cannot
+  meet are skipped with a cond (segment ids are data).
   """
-  lo, a, b, hi = (jnp.asarray(x)[outer] for x in lay.split_ranges(over_kv))
+  ranges = lay.split_ranges(over_kv)
+  lo, t, a, b, h, hi = (jnp.asarray(x)[outer] for x in ranges)
+  half_lay = lay.halved() if lay.splits_rows else None
 
-  def body(positional):
-    def run(inner, c):
-      pair = (outer, inner) if over_kv else (inner, outer)
+  def run(lay_q, half, start, stop, positional, c):
+    def body(inner, c):
+      i, j = (outer, inner) if over_kv else (inner, outer)
+      i_q = i if half is None else 2 * i + half
       if seg is None:
-        return step(inner, c, positional)
-      return jax.lax.cond(blocks_may_interact(seg, *pair),
-                          lambda c: step(inner, c, positional), lambda c: c, c)
-    return run
+        return step(lay_q, i_q, j, c, positional)
+      return jax.lax.cond(blocks_may_interact(seg, i, j),
+                          lambda c: step(lay_q, i_q, j, c, positional),
+                          lambda c: c, c)
+    return jax.lax.fori_loop(start, stop, body, c)
 
-  carry = jax.lax.fori_loop(lo, a, body(True), carry)
-  carry = jax.lax.fori_loop(a, b, body(False), carry)
-  return jax.lax.fori_loop(b, hi, body(True), carry)
+  def run_half(half, start, stop, c):
+    if over_kv:
+      take, put = halves
+      return put(c, run(half_lay, half, start, stop, True, take(c, half)), half)
+    return run(half_lay, half, start, stop, True, c)
+
+  # The first half-height run: top rows (kv walk) / bottom rows (q walk). Runs
+  # that are empty for every outer block are left out of the program.
+  first, last = (0, 1) if over_kv else (1, 0)
+  if np.any(ranges[1] > ranges[0]):
+    carry = run_half(first, lo, t, carry)
+  carry = run(lay, None, t, a, True, carry)
+  carry = run(lay, None, a, b, False, carry)
+  carry = run(lay, None, b, h, True, carry)
+  if np.any(ranges[5] > ranges[4]):
+    carry = run_half(last, h, hi, carry)
+  return carry
 
 
 def blocks_may_interact(ranges, i, j):

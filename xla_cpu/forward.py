@@ -21,32 +21,38 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
   acc_dt = lay.acc_dtype
 
+  def step(lay_q, i, j, carry, positional):
+    m, l, acc = carry
+    q_blk = blocks.slice_q(prep.q, lay_q, i)
+    s, _ = blocks.logits(prep, lay_q, q_blk, blocks.slice_kv(prep.k, lay, j), i, j)
+    ok = blocks.allowed(prep, lay_q, i, j, positional)
+    if ok is not None:
+      s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    # A row with nothing allowed so far keeps m = -inf; shift by 0 instead.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = l * alpha + p.sum(-1)
+    if spec.dropout_rate > 0:
+      p = jnp.where(blocks.dropout_keep(prep, lay_q, i, j), p, 0.0)
+    pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(lay.compute_dtype),
+                    blocks.slice_kv(prep.v, lay, j), precision=lay.precision,
+                    preferred_element_type=acc_dt)
+    return m_new, l, acc * alpha[..., None] + pv
+
+  # Half-height edge steps update the top or bottom half of the row state.
+  half = lay.block_q // 2
+  take = lambda c, h: tuple(x[:, :, :, h * half:(h + 1) * half] for x in c)
+  put = lambda c, sub, h: tuple(
+      jax.lax.dynamic_update_slice_in_dim(x, y, h * half, 3) for x, y in zip(c, sub))
+
   def q_block(i):
-    q_blk = blocks.slice_q(prep.q, lay, i)
-
-    def step(j, carry, positional):
-      m, l, acc = carry
-      s, _ = blocks.logits(prep, lay, q_blk, blocks.slice_kv(prep.k, lay, j), i, j)
-      ok = blocks.allowed(prep, lay, i, j, positional)
-      if ok is not None:
-        s = jnp.where(ok, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(-1))
-      # A row with nothing allowed so far keeps m = -inf; shift by 0 instead.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[..., None])
-      alpha = jnp.exp(m - m_safe)
-      l = l * alpha + p.sum(-1)
-      if spec.dropout_rate > 0:
-        p = jnp.where(blocks.dropout_keep(prep, lay, i, j), p, 0.0)
-      pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(lay.compute_dtype),
-                      blocks.slice_kv(prep.v, lay, j), precision=lay.precision,
-                      preferred_element_type=acc_dt)
-      return m_new, l, acc * alpha[..., None] + pv
-
     init = (jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
             jnp.zeros((b, hkv, g, lay.block_q), acc_dt),
             jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt))
-    m, l, acc = blocks.loop_blocks(step, prep, lay, seg, i, init, over_kv=True)
+    m, l, acc = blocks.loop_blocks(step, prep, lay, seg, i, init, over_kv=True,
+                                   halves=(take, put))
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if spec.dropout_rate > 0:
