@@ -1,12 +1,13 @@
 """Device-run sweep of Mosaic-GPU configs on a shape set, with cuDNN timed in the
 same process for ratios.
 
-  python -m flashjax.benchmarks.mosaic_sweep [shape_set] [block_kv:stages ...]
+  python -m flashjax.benchmarks.mosaic_sweep [shape_set] [name=value,... ...]
   python -m flashjax.benchmarks.mosaic_sweep --bwd [shape_set] [name=value,... ...]
 
-The forward sweep times the forward per ``block_kv:stages``; ``--bwd`` times
-``jax.grad`` (forward + backward) per set of MosaicConfig fields, e.g.
-``dq_block_kv=128,dkv_block_q=128`` (``-`` is the default config).
+Each candidate is a set of MosaicConfig fields, e.g. ``block_kv=64,stages=3`` or
+``persistent=0`` (``-`` is the default config). The forward sweep times the
+forward; ``--bwd`` times ``jax.grad`` (forward + backward), e.g. with
+``dq_block_kv=128,dkv_block_q=128``.
 """
 
 import sys
@@ -19,7 +20,7 @@ from flashjax.common.mask import Band
 from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import mosaic
 
-DEFAULT = ["128:2", "128:3", "64:2", "64:3", "64:4"]
+DEFAULT = ["-", "persistent=0", "persistent=1", "block_kv=64,stages=3"]
 
 
 def _fields(text):
@@ -28,7 +29,12 @@ def _fields(text):
   out = {}
   for item in text.split(","):
     name, value = item.split("=")
-    out[name] = value if name == "backward_kernel" else int(value)
+    if name == "backward_kernel":
+      out[name] = value
+    elif name == "persistent":
+      out[name] = bool(int(value))
+    else:
+      out[name] = int(value)
   return out
 
 
@@ -71,7 +77,7 @@ def main():
     args = sys.argv[2:]
     return sweep_backward(args[0] if args else "standard", args[1:] or ["-"])
   set_name = sys.argv[1] if len(sys.argv) > 1 else "standard"
-  cands = [tuple(map(int, c.split(":"))) for c in (sys.argv[2:] or DEFAULT)]
+  cands = sys.argv[2:] or DEFAULT
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   for shp in shapes.get(set_name):
     q, k, v, _ = _inputs(shp)
@@ -82,15 +88,15 @@ def main():
         q, k, v, is_causal=shp.causal, implementation="cudnn"))
     base = time_ms(ref, (q, k, v), iters=10, repeats=5)
     row = [f"{shp.name:26s} cudnn {fl / base / 1e9:4.0f}"]
-    for bk, st in cands:
+    for text in cands:
       try:
-        cfg = mosaic.MosaicConfig(block_kv=bk, stages=st)
+        cfg = mosaic.MosaicConfig(**_fields(text))
         f = jax.jit(lambda q, k, v: mosaic.flash_attention(q, k, v, causal=shp.causal,
                                                            config=cfg))
         t = time_ms(f, (q, k, v), iters=10, repeats=5)
-        row.append(f"{bk}:{st} {fl / t / 1e9:4.0f} ({base / t:.2f}x)")
+        row.append(f"{text} {fl / t / 1e9:4.0f} ({base / t:.2f}x)")
       except Exception as e:  # a config that does not fit is reported, not fatal
-        row.append(f"{bk}:{st} ERR {type(e).__name__}: {str(e)[:60]}")
+        row.append(f"{text} ERR {type(e).__name__}: {str(e)[:60]}")
     print(" | ".join(row), flush=True)
 
 

@@ -39,6 +39,9 @@ class MosaicConfig:
     block_q: forward and dQ query rows per compute warpgroup (a CTA owns two).
     block_kv: forward keys per pipeline step.
     stages: forward K/V shared-memory slots in flight.
+    persistent: forward with one CTA per SM walking the q tiles (True), one CTA
+      per q tile (False), or None: persistent unless the band is causal or a
+      window (uneven tiles balance better on the hardware scheduler).
     backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
       <= 128) or "triton" (Pallas-Triton's backward).
     dq_block_kv: dQ keys per pipeline step.
@@ -51,6 +54,7 @@ class MosaicConfig:
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
+  persistent: bool | None = None
   backward_kernel: str = "mosaic"
   dq_block_kv: int = 64
   dq_stages: int = 2
@@ -107,9 +111,20 @@ def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
   return MosaicConfig(block_kv=64, stages=2)
 
 
+def _num_sms() -> int:
+  """Multiprocessors of the default device (H100/H200 SXM: 132; also the value
+  for lowering on a machine without a GPU)."""
+  dev = jax.devices()[0]
+  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+  return count or 132
+
+
 def geometry(spec, config: MosaicConfig) -> Geometry:
   d = padded_head_dim(spec)
   tile = 2 * config.block_q
+  persistent = config.persistent
+  if persistent is None:
+    persistent = spec.band.is_full
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // tile) * tile,
@@ -117,7 +132,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-      dtype=spec.dtype)
+      dtype=spec.dtype, persistent_ctas=_num_sms() if persistent else 0)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:

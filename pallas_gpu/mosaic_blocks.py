@@ -41,6 +41,9 @@ class Geometry:
   block_kv: int
   stages: int
   dtype: str
+  # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
+  # 0 launches one CTA per q tile.
+  persistent_ctas: int = 0
 
   @property
   def group(self) -> int:
@@ -49,6 +52,17 @@ class Geometry:
   @property
   def num_q_tiles(self) -> int:
     return self.seq_q_padded // (2 * self.block_q)
+
+  @property
+  def num_tiles(self) -> int:
+    """Forward work items: q tiles of every (batch, q head)."""
+    return self.num_q_tiles * self.heads_q * self.batch
+
+  @property
+  def num_ctas(self) -> int:
+    if self.persistent_ctas:
+      return min(self.persistent_ctas, self.num_tiles)
+    return self.num_tiles
 
   @property
   def num_kv_tiles(self) -> int:
@@ -65,6 +79,21 @@ def _cdiv(a, b: int):
 
 def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def tile_coords(g: Geometry, t):
+  """Forward work item ``t`` in ``[0, num_tiles)`` -> (batch, q head, q tile).
+  q tiles vary fastest, so the CTAs running at once share K/V in L2, and run in
+  reverse, so that the longest causal rows start first."""
+  t = _i32(t)
+  rest = lax.div(t, jnp.int32(g.num_q_tiles))
+  tile = (g.num_q_tiles - 1) - lax.rem(t, jnp.int32(g.num_q_tiles))
+  return lax.div(rest, jnp.int32(g.heads_q)), lax.rem(rest, jnp.int32(g.heads_q)), tile
+
+
+def tiles_of_cta(g: Geometry, cta):
+  """How many work items CTA ``cta`` runs: ``cta, cta + num_ctas, ...``."""
+  return lax.div(g.num_tiles - _i32(cta) + (g.num_ctas - 1), jnp.int32(g.num_ctas))
 
 
 def wg_block_ranges(g: Geometry, r0):

@@ -72,6 +72,7 @@ def dkv(q, k, v, do, stats, g: Geometry):
   dtype = q.dtype
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, smem, bars, free):
+    q_free, do_free = free
     b_idx = lax.axis_index("b")
     h = lax.axis_index("h")
     tile = lax.axis_index("kt")
@@ -126,20 +127,22 @@ def dkv(q, k, v, do, stats, g: Geometry):
 
         dv, dpt = pl.run_state(dv_and_dpt)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
+        plgpu.barrier_arrive(do_free.at[slot])
         dst = _dscores(pt, dpt, col(delta), tanh)
 
         def dk_product(acc_ref):
           plgpu.wgmma(acc_ref, dst.astype(dtype), my_q)
 
         dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
-        plgpu.barrier_arrive(free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
       def skip(s, carry):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         for bar in (q_bar, st_bar, do_bar):
           plgpu.barrier_wait(bar.at[slot])
-        plgpu.barrier_arrive(free.at[slot])
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
       carry = (zeros((bk, d)), zeros((bk, d)))
@@ -158,14 +161,19 @@ def dkv(q, k, v, do, stats, g: Geometry):
       plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
       plgpu.wait_smem_to_gmem(0)
 
-    def load(s, slot):
-      rows = (b_idx, pl.ds(s * bq, bq), h)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+    def load_do(s, slot):
+      plgpu.copy_gmem_to_smem(do_ref.at[b_idx, pl.ds(s * bq, bq), h],
+                              do_smem.at[slot], do_bar.at[slot])
+
+    def load_q(s, slot):
+      plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(s * bq, bq), h],
+                              q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
                               st_smem.at[slot], st_bar.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
 
-    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load, (free,)))
+    # dO is released after dV and dP^T, Q and the row stats after dK.
+    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
+        lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q))))
 
   def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -177,7 +185,7 @@ def dkv(q, k, v, do, stats, g: Geometry):
         plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
     )
     bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
-    free = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
+    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
                                *scoped),
@@ -279,9 +287,12 @@ def dq(q, k, v, do, stats, g: Geometry):
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    load = mosaic_pipeline.kv_loader(g, (k_ref, v_ref), (k_smem, v_smem),
-                                     (k_bar, v_bar), b_idx, lax.div(h, jnp.int32(g.group)))
-    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load, free))
+    load_k, load_v = mosaic_pipeline.kv_loader(
+        g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
+        lax.div(h, jnp.int32(g.group)))
+    # V is released after S and dP, K after the dQ product.
+    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
+        lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k))))
 
   def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

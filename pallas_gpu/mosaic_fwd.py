@@ -1,11 +1,20 @@
 """Mosaic-GPU forward kernel for Hopper (FlashAttention-3 structure).
 
-One CTA owns ``2 * block_q`` query rows of one (batch, q head) and runs three
+A q tile is ``2 * block_q`` query rows of one (batch, q head). Each CTA runs three
 warpgroups: a memory warpgroup streams K/V blocks into a ring of shared-memory
-slots with TMA, and two compute warpgroups each own ``block_q`` rows, run QK^T and
-PV on the tensor cores (wgmma) and keep the online softmax in registers. A
-two-party barrier offsets the compute warpgroups by half a step, so one runs its
-softmax while the other's matmuls occupy the tensor cores (ping-pong).
+slots with TMA, and two compute warpgroups each own ``block_q`` rows of the tile,
+run QK^T and PV on the tensor cores (wgmma) and keep the online softmax in
+registers. A two-party barrier offsets the compute warpgroups by half a step, so
+one runs its softmax while the other's matmuls occupy the tensor cores (ping-pong).
+
+Persistent launch (``Geometry.persistent_ctas``): one CTA per SM walks q tiles
+``cta, cta + n, ...``. The ring keeps counting steps across tiles, so the memory
+warpgroup loads the next tile's K/V while the compute warpgroups finish this one;
+each compute warpgroup loads its next Q as soon as its last QK^T product is done
+and stores its output through a separate staging buffer without waiting for the
+store. Short sequences (few kv steps per tile) lose most to per-tile start-up
+otherwise. Without it, one CTA per tile (the hardware balances uneven causal
+tiles).
 
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
 warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
@@ -26,9 +35,23 @@ from jax import lax
 from ..common import compat
 from ..common.mask import band_allowed
 from . import mosaic_pipeline
-from .mosaic_blocks import Geometry, cta_block_ranges
+from .mosaic_blocks import Geometry, cta_block_ranges, tile_coords, tiles_of_cta
 
 LOG2E = math.log2(math.e)
+
+
+def separate_out_smem(g: Geometry) -> bool:
+  """Whether a staging buffer for the output fits beside Q and the K/V ring; if
+  not, the output is staged in Q's buffer and the next Q load waits for the store."""
+  item = 2  # bf16/fp16
+  q_bytes = 2 * g.block_q * g.head_dim * item
+  ring = 2 * g.stages * g.block_kv * g.head_dim * item
+  return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
+
+
+# Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
+# Mosaic's reduction scratch.
+SMEM_BUDGET = 220 * 1024
 
 
 def forward(q, k, v, g: Geometry):
@@ -37,17 +60,18 @@ def forward(q, k, v, g: Geometry):
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
+  ctas = g.num_ctas
+  separate_o = separate_out_smem(g)
+
+  coords = lambda t: tile_coords(g, t)
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
-    b_idx = lax.axis_index("b")
-    h = lax.axis_index("h")
-    # Reverse tile order: the longest causal rows start first.
-    tile = (g.num_q_tiles - 1) - lax.axis_index("qt")
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    qo_smem, k_smem, v_smem, lse_smem = smem
+    n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
+    q_smem, k_smem, v_smem, lse_smem, *o_smem = smem
     k_bar, v_bar, q_bar = bars
     k_free, v_free = free
-    ranges, lo_c, hi_c = cta_block_ranges(g, tile)
 
     def rendezvous():
       plgpu.barrier_arrive(sched)
@@ -58,112 +82,154 @@ def forward(q, k, v, g: Geometry):
       # 2 x 128 threads x 232 + 128 x 40 fits the SM's 64K registers; 240 would
       # not, and setmaxnreg then waits forever (seen as a hang at D = 256).
       plgpu.set_max_registers(232, action="increase")
-      pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
-      lo, a, bb, hi = (pick(i) for i in range(4))
-      r0 = tile * (2 * bq) + wg * bq
-      my_q = qo_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
+      my_q = q_smem.at[wg]
+      my_o = o_smem[0].at[wg] if separate_o else my_q
 
-      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-      l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      def rows_of(t):
+        b_idx, h, tile = coords(t)
+        return b_idx, h, tile, tile * (2 * bq) + wg * bq
 
-      pl.when(lo_c < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[0]))
-      pl.when(wg == 1)(rendezvous)
+      def load_q(t):
+        b_idx, h, _, r0 = rows_of(t)
+        plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
 
-      def wait_next_k(s):
-        # Invariant: when step s starts, K of step s has been waited for. The wait
-        # for s + 1 is issued while step s's PV product runs on the tensor cores.
-        nxt = s + 1
-        pl.when(nxt < hi_c)(
-            lambda: plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo_c, jnp.int32(stages))]))
+      load_q(cta)
 
-      def step(s, carry, masked: bool):
-        acc, m, l = carry
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
+      def tile_body(it, base):
+        t = cta + it * ctas
+        b_idx, h, tile, r0 = rows_of(t)
+        ranges, lo_c, hi_c = cta_block_ranges(g, tile)
+        pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
+        lo, a, bb, hi = (pick(i) for i in range(4))
+        slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
+        plgpu.barrier_wait(q_bar.at[wg])
 
-        def qk_product(acc_ref):
-          plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-          rendezvous()
-          return acc_ref[...]
+        m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
 
-        s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        if g.soft_cap is not None:
-          cap = g.soft_cap
-          s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
-        else:
-          # The scale rides in the exp2 argument (one FMA per element); the row
-          # max commutes with a positive scale.
-          mult = scale2
-        if masked:
-          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                        layout=plgpu.Layout.WGMMA) + r0
-          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                        layout=plgpu.Layout.WGMMA) + s * bk
-          ok = cols < g.seq_k
-          if not g.band.is_full:
-            ok = ok & band_allowed(rows, cols, g.band)
-          s2 = jnp.where(ok, s2, -jnp.inf)
-        m_new = jnp.maximum(m, s2.max(axis=1) * mult)
-        # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(sched)
+        pl.when(lo_c < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(lo_c)]))
+        pl.when(wg == 1)(rendezvous)
 
-        def pv_product(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        def wait_next_k(s):
+          # Invariant: when step s starts, K of step s has been waited for. The
+          # wait for s + 1 is issued while step s's PV product runs.
+          nxt = s + 1
+          pl.when(nxt < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
+
+        def step(s, carry, masked: bool):
+          acc, m, l = carry
+          slot = slot_of(s)
+
+          def qk_product(acc_ref):
+            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
+            rendezvous()
+            return acc_ref[...]
+
+          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          if g.soft_cap is not None:
+            cap = g.soft_cap
+            s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
+          else:
+            # The scale rides in the exp2 argument (one FMA per element); the row
+            # max commutes with a positive scale.
+            mult = scale2
+          if masked:
+            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                          layout=plgpu.Layout.WGMMA) + r0
+            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                          layout=plgpu.Layout.WGMMA) + s * bk
+            ok = cols < g.seq_k
+            if not g.band.is_full:
+              ok = ok & band_allowed(rows, cols, g.band)
+            s2 = jnp.where(ok, s2, -jnp.inf)
+          m_new = jnp.maximum(m, s2.max(axis=1) * mult)
+          # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          alpha = jnp.exp2(m - shift)
+          p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l = l * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+          plgpu.barrier_arrive(sched)
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_wait(sched)
+
+          def pv_product(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            wait_next_k(s)
+
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l
+
+        def skip(s, carry):
+          slot = slot_of(s)
+          plgpu.barrier_arrive(k_free.at[slot])
           wait_next_k(s)
+          rendezvous()
+          plgpu.barrier_wait(v_bar.at[slot])
+          rendezvous()
+          plgpu.barrier_arrive(v_free.at[slot])
+          return carry
 
-        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        masked = lambda s, c: step(s, c, True)
+        plain = lambda s, c: step(s, c, False)
+        carry = (acc, m, l)
+        lax.fori_loop(lo_c, lo, skip, None)
+        carry = lax.fori_loop(lo, a, masked, carry)
+        carry = lax.fori_loop(a, bb, plain, carry)
+        carry = lax.fori_loop(bb, hi, masked, carry)
+        lax.fori_loop(hi, hi_c, skip, None)
+        acc, m, l = carry
+        pl.when(wg == 0)(rendezvous)
 
-      def skip(s, carry):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_arrive(k_free.at[slot])
-        wait_next_k(s)
-        rendezvous()
-        plgpu.barrier_wait(v_bar.at[slot])
-        rendezvous()
-        plgpu.barrier_arrive(v_free.at[slot])
-        return carry
+        has_next = it + 1 < n_local
+        if separate_o:  # Q is free now: fetch the next tile's during the epilogue
+          pl.when(has_next)(lambda: load_q(t + ctas))
+        has = l > 0.0
+        inv = 1.0 / jnp.where(has, l, 1.0)
+        # The previous tile's stores must have read the staging buffers.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        my_o[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(
+            has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b_idx, pl.ds(r0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
+        if not separate_o:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          pl.when(has_next)(lambda: load_q(t + ctas))
+        return base + (hi_c - lo_c)
 
-      masked = lambda s, c: step(s, c, True)
-      plain = lambda s, c: step(s, c, False)
-      carry = (acc, m, l)
-      lax.fori_loop(lo_c, lo, skip, None)
-      carry = lax.fori_loop(lo, a, masked, carry)
-      carry = lax.fori_loop(a, bb, plain, carry)
-      carry = lax.fori_loop(bb, hi, masked, carry)
-      lax.fori_loop(hi, hi_c, skip, None)
-      acc, m, l = carry
-      pl.when(wg == 0)(rendezvous)
-
-      has = l > 0.0
-      inv = 1.0 / jnp.where(has, l, 1.0)
-      my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-      lse_smem.at[wg][...] = jnp.where(
-          has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, o_ref.at[b_idx, pl.ds(r0, bq), h])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
+      lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
-    load = mosaic_pipeline.kv_loader(g, (k_ref, v_ref), (k_smem, v_smem),
-                                     (k_bar, v_bar), b_idx, lax.div(h, jnp.int32(g.group)))
-    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(lo_c, hi_c, stages, load,
-                                                     (k_free, v_free)))
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def tile_body(it, base):
+        b_idx, h, tile = coords(cta + it * ctas)
+        _, lo_c, hi_c = cta_block_ranges(g, tile)
+        load_k, load_v = mosaic_pipeline.kv_loader(
+            g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
+            lax.div(h, jnp.int32(g.group)))
+
+        @pl.loop(lo_c, hi_c)
+        def _step(s):
+          mosaic_pipeline.ring_fill(base + s - lo_c, stages, (
+              (k_free, lambda slot: load_k(s, slot)),
+              (v_free, lambda slot: load_v(s, slot))))
+
+        return base + (hi_c - lo_c)
+
+      lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
   def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -172,7 +238,7 @@ def forward(q, k, v, g: Geometry):
         plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
         plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
         plgpu.SMEM((2, bq), jnp.float32),
-    )
+    ) + ((plgpu.SMEM((2, bq, d), dtype, transforms=tiled),) if separate_o else ())
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
@@ -183,8 +249,7 @@ def forward(q, k, v, g: Geometry):
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
   return plgpu.kernel(
-      entry, out_type=out_type,
-      grid=(g.num_q_tiles, g.heads_q, g.batch), grid_names=("qt", "h", "b"),
+      entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v)

@@ -3,6 +3,7 @@ machine, the kernel's block-range logic against the dense band, and every kernel
 variant lowered for CUDA (Mosaic-GPU lowers in Python, so trace and lowering errors
 show up on the CPU machine)."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -68,6 +69,28 @@ def test_block_ranges_match_the_dense_band(seq_q, seq_k, band, block_kv):
           assert full, (tile, w, j)
 
 
+@pytest.mark.parametrize("batch,heads,seq,ctas", [
+    (1, 1, 128, 0), (2, 3, 1000, 0), (2, 3, 1000, 5), (8, 16, 2048, 132),
+    (1, 2, 256, 132)])
+def test_persistent_schedule_covers_every_tile_once(batch, heads, seq, ctas):
+  band = Band(seq_q=seq, seq_k=seq)
+  g = mosaic_blocks.Geometry(
+      batch=batch, seq_q=seq, seq_k=seq, seq_q_padded=-(-seq // 128) * 128,
+      seq_k_padded=-(-seq // 128) * 128, heads_q=heads, heads_kv=1, head_dim=64,
+      band=band, softmax_scale=1.0, soft_cap=None, block_q=64, block_kv=128,
+      stages=2, dtype="bfloat16", persistent_ctas=ctas)
+  assert g.num_ctas == (min(ctas, g.num_tiles) if ctas else g.num_tiles)
+  seen = []
+  for cta in range(g.num_ctas):
+    n = int(mosaic_blocks.tiles_of_cta(g, cta))
+    assert n >= 1
+    seen += [tuple(int(x) for x in mosaic_blocks.tile_coords(g, cta + i * g.num_ctas))
+             for i in range(n)]
+  expected = {(b, h, t) for b in range(batch) for h in range(heads)
+              for t in range(g.num_q_tiles)}
+  assert len(seen) == len(expected) and set(seen) == expected
+
+
 @pytest.mark.parametrize("seq_q,seq_k,band,block_q", [
     (sq, sk, b, bq) for (sq, sk), b, bq in itertools.product(
         [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 32))])
@@ -105,6 +128,9 @@ VARIANTS = [
     dict(head_dim=96, seq_q=300, seq_k=700, sliding_window=(100, 20)),
     dict(logits_soft_cap=20.0, heads_q=4, heads_kv=1), dict(dtype="float16"),
     dict(sinks=True, causal=True),
+    # The forward's launch kinds: persistent by default only for the full band.
+    dict(causal=True, persistent=True), dict(persistent=False),
+    dict(head_dim=256, sliding_window=(64, 0), persistent=True),
 ]
 
 
@@ -116,6 +142,7 @@ def test_every_variant_lowers_for_cuda(variant):
                head_dim=kw.pop("head_dim", 128))
   dtype = kw.pop("dtype", "bfloat16")
   sinks = kw.pop("sinks", False)
+  persistent = kw.pop("persistent", None)
   sd = jax.ShapeDtypeStruct
   q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
   k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
@@ -124,7 +151,8 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     assert mosaic.supported(spec) is None
-    static = mosaic._Static(mosaic.default_config(spec), None)
+    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent)
+    static = mosaic._Static(config, None)
     return mosaic.forward(ops, spec, static)
 
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
