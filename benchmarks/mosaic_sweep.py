@@ -31,7 +31,7 @@ def _fields(text):
     name, value = item.split("=")
     if name == "backward_kernel":
       out[name] = value
-    elif name in ("persistent", "deterministic"):
+    elif name == "persistent":
       out[name] = bool(int(value))
     else:
       out[name] = int(value)
@@ -63,10 +63,7 @@ def sweep_backward(set_name, cands):
     row = [f"{shp.name:26s} cudnn fwd+bwd {base:6.3f} ms"]
     for text in cands:
       try:
-        fields = _fields(text)
-        from flashjax.pallas_gpu import mosaic_bwd  # EXPERIMENT: module switches
-        mosaic_bwd.DQ_SPLIT = bool(fields.pop("DQ_SPLIT", 0))
-        cfg = mosaic.MosaicConfig(**fields)
+        cfg = mosaic.MosaicConfig(**_fields(text))
         t = time_ms(grad_of(lambda q, k, v: mosaic.flash_attention(
             q, k, v, causal=shp.causal, config=cfg)), (q, k, v), iters=10, repeats=5)
         row.append(f"{text} {t:6.3f} ({base / t:.2f}x)")

@@ -42,15 +42,10 @@ class MosaicConfig:
     persistent: forward with one CTA per SM walking the q tiles (True), one CTA
       per q tile (False), or None: persistent unless the band is causal or a
       window (uneven tiles balance better on the hardware scheduler).
-    backward_kernel: "mosaic" (the Mosaic-GPU backward, head dims <= 128) or
-      "triton" (Pallas-Triton's backward).
-    deterministic: Mosaic backward as two kernels (dQ, then dK/dV), bit-identical
-      from run to run. False (default): one kernel computes dK, dV and dQ (five
-      products per block instead of seven), with dQ reduced across CTAs in fp32
-      by TMA reduce-add, whose order varies between runs (differences at fp32
-      rounding level).
-    dq_block_kv: dQ keys per pipeline step (deterministic backward).
-    dq_stages: dQ K/V shared-memory slots in flight (deterministic backward).
+    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
+      <= 128) or "triton" (Pallas-Triton's backward).
+    dq_block_kv: dQ keys per pipeline step.
+    dq_stages: dQ K/V shared-memory slots in flight.
     dkv_block_q: dK/dV query rows per pipeline step.
     dkv_block_kv: dK/dV keys per compute warpgroup (a CTA owns two).
     dkv_stages: dK/dV Q/dO shared-memory slots in flight.
@@ -61,7 +56,6 @@ class MosaicConfig:
   stages: int = 2
   persistent: bool | None = None
   backward_kernel: str = "mosaic"
-  deterministic: bool = False
   dq_block_kv: int = 64
   dq_stages: int = 2
   dkv_block_q: int = 64
@@ -195,12 +189,8 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
-  if static.config.deterministic:
-    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
-    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
-  else:
-    dk, dv, dq = mosaic_bwd.dkv_dq(q, k, v, do, stats, g_dkv)
-    dq = (dq * spec.softmax_scale).astype(ops.q.dtype)
+  dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
+  dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)

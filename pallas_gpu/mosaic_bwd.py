@@ -29,7 +29,6 @@ log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -65,44 +64,21 @@ def _index(shape, dim, start):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
 
 
-# Fused dQ: each compute warpgroup computes half of dQ's columns over both
-# warpgroups' keys (half the registers and reduction traffic of a full-width
-# partial per warpgroup, but a barrier between the warpgroups every step), or
-# (False) a full-width partial over its own keys.
-DQ_SPLIT = False
-
-
-def dq_split(g: Geometry) -> bool:
-  """Split dQ's columns between the warpgroups (only at D >= 128: a 32-column
-  wgmma operand would cut a 128-byte swizzle atom)."""
-  return DQ_SPLIT and g.head_dim >= 128
-
-
-def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
+def dkv(q, k, v, do, stats, g: Geometry):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
-  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype).
-
-  With ``fuse_dq`` the kernel also computes dQ (FlashAttention-2's single
-  backward pass: five products per block instead of the seven of two kernels):
-  each warpgroup stores its dS^T block in shared memory, and per q block the
-  partial dS K is reduced into an fp32 ``dq [B, Sqp, Hq, D]`` (unscaled) with
-  TMA reduce-add. Partials of different CTAs land in any order, so dq is not
-  bit-reproducible; returns ``(dk, dv, dq)``."""
+  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
-  split = fuse_dq and dq_split(g)
-  dq_cols = d // 2 if split else d
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, dk_ref, dv_ref, smem, bars,
-             free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, smem, bars, free):
     q_free, do_free = free
     b_idx = lax.axis_index("b")
     h = lax.axis_index("h")
     tile = lax.axis_index("kt")
     wg = lax.axis_index("wg")
-    q_smem, do_smem, st_smem, k_smem, v_smem, *dq_smem = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar, *ds_bar = bars
+    q_smem, do_smem, st_smem, k_smem, v_smem = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar = bars
     ranges, lo_c, hi_c = cta_q_ranges(g, tile)
 
     @pl.when(wg < 2)
@@ -118,38 +94,10 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
       plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
-      if split:  # this warpgroup's dQ columns read the other's K too
-        plgpu.barrier_wait(k_bar.at[1 - wg])
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
       col = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
-
-      def fused_dq(s, dst):
-        """dS^T of this step (zeros on a skip) -> dQ partial, reduced into dq."""
-        ds_smem, out_smem = dq_smem
-        par = lax.rem(s - lo_c, jnp.int32(2))
-        ds_smem.at[par, wg][...] = dst.astype(dtype)
-        plgpu.commit_smem()
-        if split:  # both warpgroups' dS^T are in shared memory
-          plgpu.barrier_arrive(ds_bar[0])
-          plgpu.barrier_wait(ds_bar[0])
-        cols = pl.ds(wg * dq_cols, dq_cols) if split else pl.ds(0, d)
-
-        def dq_product(acc_ref):
-          for w in ((0, 1) if split else (None,)):
-            src = wg if w is None else w
-            plgpu.wgmma(acc_ref, compat.transpose_ref(ds_smem.at[par, src], (1, 0)),
-                        k_smem.at[src, :, cols])
-
-        part = pl.run_state(dq_product)(plgpu.ACC.init(zeros((bq, dq_cols))))
-        # The previous step's reduction must have read the staging buffer.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out_smem.at[wg][...] = part
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                dq_ref.at[b_idx, pl.ds(s * bq, bq), h, cols],
-                                reduction_op="add")
 
       def step(s, carry, masked: bool):
         dk, dv = carry
@@ -187,8 +135,6 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
 
         dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(q_free.at[slot])
-        if fuse_dq:
-          fused_dq(s, dst)
         return dk, dv
 
       def skip(s, carry):
@@ -197,8 +143,6 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
           plgpu.barrier_wait(bar.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
-        if split:  # the other warpgroup's keys still feed this one's dQ columns
-          fused_dq(s, zeros((bk, bq)))
         return carry
 
       carry = (zeros((bk, d)), zeros((bk, d)))
@@ -209,11 +153,6 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
       lax.fori_loop(hi, hi_c, skip, None)
       dk, dv = carry
 
-      if fuse_dq:  # the last reduction reads the staging buffer; K is still read
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if split:  # by the other warpgroup's dQ products until both are done
-        plgpu.barrier_arrive(ds_bar[0])
-        plgpu.barrier_wait(ds_bar[0])
       my_k[...] = (dk * g.softmax_scale).astype(dtype)
       my_v[...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -236,8 +175,7 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
     pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q))))
 
-  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, *out_refs):
-    dq_ref, dk_ref, dv_ref = out_refs if fuse_dq else (None, *out_refs)
+  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
@@ -247,58 +185,20 @@ def dkv(q, k, v, do, stats, g: Geometry, *, fuse_dq: bool = False):
         plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
     )
     bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
-    if fuse_dq:
-      # dS^T per step parity and warpgroup (the other warpgroup may still read
-      # last step's), and one fp32 dQ staging tile per warpgroup.
-      smem += (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=tiled),
-               plgpu.SMEM((2, bq, dq_cols), jnp.float32,
-                          transforms=(plgpu.TilingTransform((8, 32)),
-                                      plgpu.SwizzleTransform(128))))
-      if split:
-        bars += (plgpu.Barrier(num_arrivals=2),)
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
     pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, dk_ref,
-                               dv_ref, *scoped),
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
+                               *scoped),
         smem, bars, free, collective_axes="wg")
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, d)
   out_type = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, dtype))
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
-  mesh = dict(grid=(g.num_kv_tiles, g.heads_q, g.batch), grid_names=("kt", "h", "b"),
-              num_threads=3, thread_name="wg")
-  if not fuse_dq:
-    return plgpu.kernel(entry, out_type=out_type, **mesh, **params)(q, k, v, do, stats)
-  # The reduction target must start at zero, so it (and dk, dv) are refs that
-  # the kernel mutates; run_state discharges them into plain values.
-  def run(refs):
-    pl.kernel(entry, out_type=(), mesh=plgpu.Mesh(**mesh), **params)(
-        q, k, v, do, stats, *refs)
-
-  dq_acc = jnp.zeros((g.batch, g.seq_q_padded, g.heads_q, d), jnp.float32)
-  dq_acc, dk, dv = pl.run_state(run)(
-      (dq_acc, jnp.empty(shape, dtype), jnp.empty(shape, dtype)))
-  return dk, dv, dq_acc
-
-
-def dkv_dq(q, k, v, do, stats, g: Geometry):
-  """The fused backward (``dkv(..., fuse_dq=True)``) with a vmap rule: the fused
-  kernel's mutable dQ accumulator cannot be batched, so a vmapped call folds the
-  mapped axis into the batch axis, which every operand leads with."""
-
-  @jax.custom_batching.custom_vmap
-  def run(q, k, v, do, stats):
-    return dkv(q, k, v, do, stats, g, fuse_dq=True)
-
-  @run.def_vmap
-  def _fold(axis_size, in_batched, *args):
-    args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
-            for x, b in zip(args, in_batched)]
-    flat = [x.reshape((axis_size * x.shape[1],) + x.shape[2:]) for x in args]
-    out = dkv_dq(*flat, dataclasses.replace(g, batch=axis_size * g.batch))
-    return tuple(x.reshape((axis_size, g.batch) + x.shape[1:]) for x in out), (True,) * 3
-
-  return run(q, k, v, do, stats)
+  return plgpu.kernel(
+      entry, out_type=out_type,
+      grid=(g.num_kv_tiles, g.heads_q, g.batch), grid_names=("kt", "h", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats)
 
 
 def dq(q, k, v, do, stats, g: Geometry):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flashjax import registry
-from flashjax.common import conformance, spec as spec_lib, tolerances
+from flashjax.common import conformance, spec as spec_lib
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
@@ -22,37 +22,13 @@ ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
-  # The default backward reduces dQ across CTAs with TMA reduce-add (any order).
   CAPS = conformance.Capabilities(
       name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
       features=frozenset({"causal", "window", "soft_cap", "sinks", "lse"}),
-      head_dim_ok=lambda d: d <= 256, deterministic_grads=False)
+      head_dim_ok=lambda d: d <= 256)
 
   def attention(self, q, k, v, **kwargs):
     return mosaic.flash_attention(q, k, v, **kwargs)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
-@pytest.mark.parametrize("case", [
-    conformance.Case(dtype="bfloat16", causal=True, seq_q=300, seq_k=300),
-    conformance.Case(dtype="bfloat16", seq_q=200, seq_k=333, heads_q=4, heads_kv=1,
-                     head_dim=96, sliding_window=(50, 10)),
-    conformance.Case(dtype="float16", seq_q=256, seq_k=256, head_dim=64,
-                     logits_soft_cap=20.0),
-], ids=str)
-def test_deterministic_backward_repeats_bit_for_bit(case):
-  """MosaicConfig(deterministic=True): the two-kernel backward, gradients equal to
-  the reference and bit-identical between runs."""
-  def attention(q, k, v, **kwargs):
-    config = mosaic.default_config(spec_lib.canonicalize(q, k, v)[1])
-    return mosaic.flash_attention(
-        q, k, v, config=dataclasses.replace(config, deterministic=True), **kwargs)
-
-  got, ref = conformance.run_platform_and_reference(
-      attention, case, with_lse=True, grads=True, deterministic_grads=True)
-  for name in ref:
-    tol = (tolerances.forward if name in ("out", "lse") else tolerances.grad)(case.dtype)
-    tolerances.assert_close(got[name], ref[name], tol, name=name)
 
 
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
@@ -183,24 +159,18 @@ def test_every_variant_lowers_for_cuda(variant):
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
-  for deterministic in (False, True):
-    def bwd(q, k, v, *sinks):
-      ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None,
-                                        **kw)
-      config = dataclasses.replace(mosaic.default_config(spec),
-                                   deterministic=deterministic)
-      static = mosaic._Static(config, pallas_triton._Static(
-          pallas_triton.default_config(spec), False))
-      out, lse = mosaic.forward(ops, spec, static)
-      return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+  def bwd(q, k, v, *sinks):
+    ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
+    config = mosaic.default_config(spec)
+    static = mosaic._Static(config, pallas_triton._Static(
+        pallas_triton.default_config(spec), False))
+    out, lse = mosaic.forward(ops, spec, static)
+    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
 
-    text = jax.jit(bwd).trace(q, k, k, *extra).lower(
-        lowering_platforms=("cuda",)).as_text()
-    # Forward plus the fused dK/dV/dQ kernel, or the dQ and dK/dV kernels, up to
-    # D = 128; Pallas-Triton's backward beyond.
-    mosaic_bwd_kernels = 2 if deterministic else 1
-    assert text.count("custom_call @mosaic_gpu") == (
-        1 + mosaic_bwd_kernels if shape["head_dim"] <= 128 else 1)
+  text = jax.jit(bwd).trace(q, k, k, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  # Forward, dQ and dK/dV kernels up to D = 128; Pallas-Triton backward beyond.
+  assert text.count("custom_call @mosaic_gpu") == (3 if shape["head_dim"] <= 128 else 1)
 
 
 def test_supported_reasons():
