@@ -112,6 +112,59 @@ def _allowed(rows, cols, q_ids, kv_ids, mask, MASKED: tl.constexpr,
 
 
 @triton.jit
+def _qk(q, K, b, hk, j, SK: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        BN: tl.constexpr, PRECISION: tl.constexpr):
+  """q . k^T of kv block j (issued on the tensor cores, awaited where used)."""
+  offs_n = j * BN + tl.arange(0, BN)
+  kt = tl.load(K + ((b * SK + offs_n[None, :]) * HKV + hk) * D + tl.arange(0, D)[:, None])
+  return tl.dot(q, kt, input_precision=PRECISION)
+
+
+@triton.jit
+def _fwd_step(qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
+              keys, MASKED: tl.constexpr, SK: tl.constexpr, HKV: tl.constexpr,
+              DV: tl.constexpr, BN: tl.constexpr, SEQ_K: tl.constexpr,
+              SCALE: tl.constexpr, CAP: tl.constexpr, HAS_CAP: tl.constexpr,
+              HAS_SEG: tl.constexpr, HAS_LEFT: tl.constexpr, LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, RIGHT: tl.constexpr, OFFSET: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BSQ: tl.constexpr, BSK: tl.constexpr,
+              HAS_MASK: tl.constexpr, MSQ: tl.constexpr, MSK: tl.constexpr,
+              HAS_DROP: tl.constexpr, THRESH: tl.constexpr, PRECISION: tl.constexpr,
+              MULT: tl.constexpr):
+  """Online-softmax update of one kv block from its q.k^T tile."""
+  offs_n = j * BN + tl.arange(0, BN)
+  if HAS_BIAS or HAS_CAP:
+    bias = qk
+    if HAS_BIAS:
+      bias = _tile(bias_ptr, offs_m[:, None], offs_n[None, :], BSQ, BSK)
+    s, _ = _logits(qk, bias, SCALE, CAP, HAS_CAP, HAS_BIAS)
+  else:
+    s = qk  # the scale rides in the exp2 argument (MULT)
+  if MASKED or HAS_SEG or HAS_MASK:
+    kv_ids = offs_n
+    if HAS_SEG:
+      kv_ids = tl.load(KvIds + b * SK + offs_n)
+    mask = offs_n[None, :]
+    if HAS_MASK:
+      mask = _tile(mask_ptr, offs_m[:, None], offs_n[None, :], MSQ, MSK)
+    ok = _allowed(offs_m[:, None], offs_n[None, :], q_ids[:, None], kv_ids[None, :],
+                  mask, MASKED, HAS_SEG, HAS_MASK, SEQ_K, HAS_LEFT, LEFT, HAS_RIGHT,
+                  RIGHT, OFFSET)
+    s = tl.where(ok, s, float("-inf"))
+  m_new = tl.maximum(m, tl.max(s, 1))
+  # Rows with nothing allowed yet keep m = -inf: shift by 0 so exp2 gives 0.
+  m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+  p = tl.exp2(s * MULT - (m_safe * MULT)[:, None])
+  alpha = tl.exp2((m - m_safe) * MULT)
+  l = l * alpha + tl.sum(p, 1)
+  if HAS_DROP:
+    p = tl.where(_keep(keys[:, None], offs_n[None, :], THRESH), p, 0.0)
+  v = tl.load(V + ((b * SK + offs_n[:, None]) * HKV + hk) * DV + tl.arange(0, DV)[None, :])
+  acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+  return m_new, l, acc
+
+
+@triton.jit
 def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
                SQ: tl.constexpr, SK: tl.constexpr, HQ: tl.constexpr,
                HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -139,44 +192,42 @@ def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
   keys = offs_m.to(tl.uint32)
   if HAS_DROP:
     keys = _row_keys(Seed, b, h, offs_m)
-  m = tl.full([BM], float("-inf"), tl.float32)
+  # Without bias or cap the row max is taken on the raw products and the scale
+  # rides in the exp2 argument (one FMA per element, not a multiply and a subtract).
+  MULT: tl.constexpr = 1.0 if (HAS_BIAS or HAS_CAP) else SCALE * 1.4426950408889634
+  m = tl.full([BM], float("-inf"), tl.float32)  # running max (logit units)
   l = tl.zeros([BM], tl.float32)
   acc = tl.zeros([BM, DV], tl.float32)
   for phase in tl.static_range(3):
     lo = tl.load(Table + i * 4 + phase)
     hi = tl.load(Table + i * 4 + phase + 1)
-    for j in range(lo, hi):
-      offs_n = j * BN + tl.arange(0, BN)
-      kt = tl.load(K + ((b * SK + offs_n[None, :]) * HKV + hk) * D +
-                   tl.arange(0, D)[:, None])
-      qk = tl.dot(q, kt, input_precision=PRECISION)
-      bias = qk
-      if HAS_BIAS:
-        bias = _tile(bias_ptr, offs_m[:, None], offs_n[None, :], BSQ, BSK)
-      s, _ = _logits(qk, bias, SCALE, CAP, HAS_CAP, HAS_BIAS)
-      if (phase != 1) or HAS_SEG or HAS_MASK:
-        kv_ids = offs_n
-        if HAS_SEG:
-          kv_ids = tl.load(KvIds + b * SK + offs_n)
-        mask = offs_n[None, :]
-        if HAS_MASK:
-          mask = _tile(mask_ptr, offs_m[:, None], offs_n[None, :], MSQ, MSK)
-        ok = _allowed(offs_m[:, None], offs_n[None, :], q_ids[:, None],
-                      kv_ids[None, :], mask, (phase != 1), HAS_SEG, HAS_MASK, SEQ_K,
-                      HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET)
-        s = tl.where(ok, s, float("-inf"))
-      m_new = tl.maximum(m, tl.max(s, 1))
-      # Rows with nothing allowed yet keep m = -inf: shift by 0 so exp2 gives 0.
-      m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-      p = tl.exp2(s - m_safe[:, None])
-      alpha = tl.exp2(m - m_safe)
-      l = l * alpha + tl.sum(p, 1)
-      if HAS_DROP:
-        p = tl.where(_keep(keys[:, None], offs_n[None, :], THRESH), p, 0.0)
-      v = tl.load(V + ((b * SK + offs_n[:, None]) * HKV + hk) * DV +
-                  tl.arange(0, DV)[None, :])
-      acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-      m = m_new
+    if phase == 1:
+      # Interior blocks: issue block j + 1's q.k^T before block j's softmax, so
+      # the tensor cores work while the softmax runs (FlashAttention-3's
+      # intra-warpgroup overlap); the last block is peeled.
+      if hi > lo:
+        qk = _qk(q, K, b, hk, lo, SK, HKV, D, BN, PRECISION)
+        for j in range(lo, hi - 1):
+          qk_next = _qk(q, K, b, hk, j + 1, SK, HKV, D, BN, PRECISION)
+          m, l, acc = _fwd_step(
+              qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
+              keys, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+              HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
+              MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
+          qk = qk_next
+        m, l, acc = _fwd_step(
+            qk, hi - 1, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
+            keys, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+            HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
+            MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
+    else:
+      for j in range(lo, hi):
+        qk = _qk(q, K, b, hk, j, SK, HKV, D, BN, PRECISION)
+        m, l, acc = _fwd_step(
+            qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
+            keys, phase != 1, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+            HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
+            MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
   has = l > 0.0
   safe_l = tl.where(has, l, 1.0)
   out = acc / safe_l[:, None]
@@ -185,7 +236,8 @@ def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
   tl.store(O + ((b * SQ + offs_m[:, None]) * HQ + h) * DV + tl.arange(0, DV)[None, :],
            out.to(O.dtype.element_ty))
   m_safe = tl.where(m == float("-inf"), 0.0, m)
-  lse = tl.where(has, (m_safe + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+  lse = tl.where(has, (m_safe * MULT + tl.log2(safe_l)) * 0.6931471805599453,
+                 float("-inf"))
   tl.store(Lse + bh * SQ + offs_m, lse)
 
 
