@@ -54,20 +54,29 @@ def _kernel(*refs, plan: tp.Plan, names):
   q_ids = r["q_ids"][...] if "q_ids" in r else None
   seed = r.get("seed")
 
+  # Without bias or cap the row max is taken on the raw products and the scale
+  # rides in the exp2 argument (one FMA per element instead of a multiply and a
+  # subtract).
+  raw = "bias" not in r and spec.logits_soft_cap is None
+  mult = spec.softmax_scale * tp.LOG2E if raw else 1.0
+
   def body(j, carry, positional):
     acc, m, l = carry
     t = tiles(r, plan, i, j, bq, bk)
     k = r["k"][pl.ds(j * bk, bk), :]
     v = r["v"][pl.ds(j * bk, bk), :]
-    s, _ = tp.logits2(plan, q, k, t.get("bias"))
+    if raw:
+      s = tp.dot(q, k, plan, trans_b=True)
+    else:
+      s, _ = tp.logits2(plan, q, k, t.get("bias"))
     ok = tp.allowed(plan, i, j, positional, q_ids, t["kv_ids"], t.get("mask"))
     if ok is not None:
       s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s - m_safe[:, None])
-    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s * mult - (m_safe * mult)[:, None])
+    alpha = jnp.exp2((m - m_safe) * mult)
     l = l * alpha + p.sum(axis=1)
     if seed is not None:
       p = jnp.where(tp.dropout_keep(plan, seed, b, h, i, j), p, 0.0)
@@ -84,7 +93,8 @@ def _kernel(*refs, plan: tp.Plan, names):
     out = out * (1.0 / (1.0 - spec.dropout_rate))
   r["o"][...] = out.astype(r["o"].dtype)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  r["lse"][...] = jnp.where(nonempty, (m_safe + jnp.log2(safe_l)) * tp.LN2, -jnp.inf)
+  r["lse"][...] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * tp.LN2,
+                            -jnp.inf)
 
 
 def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
