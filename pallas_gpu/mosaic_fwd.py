@@ -40,6 +40,11 @@ from .mosaic_blocks import Geometry, cta_block_ranges, tile_coords, tiles_of_cta
 LOG2E = math.log2(math.e)
 
 
+# Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
+# Mosaic's reduction scratch.
+SMEM_BUDGET = 220 * 1024
+
+
 def separate_out_smem(g: Geometry) -> bool:
   """Whether a staging buffer for the output fits beside Q and the K/V ring; if
   not, the output is staged in Q's buffer and the next Q load waits for the store."""
@@ -47,11 +52,6 @@ def separate_out_smem(g: Geometry) -> bool:
   q_bytes = 2 * g.block_q * g.head_dim * item
   ring = 2 * g.stages * g.block_kv * g.head_dim * item
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
-
-
-# Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
-# Mosaic's reduction scratch.
-SMEM_BUDGET = 220 * 1024
 
 
 def forward(q, k, v, g: Geometry):
@@ -62,8 +62,6 @@ def forward(q, k, v, g: Geometry):
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas
   separate_o = separate_out_smem(g)
-
-  coords = lambda t: tile_coords(g, t)
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
     cta = lax.axis_index("cta")
@@ -86,7 +84,7 @@ def forward(q, k, v, g: Geometry):
       my_o = o_smem[0].at[wg] if separate_o else my_q
 
       def rows_of(t):
-        b_idx, h, tile = coords(t)
+        b_idx, h, tile = tile_coords(g, t)
         return b_idx, h, tile, tile * (2 * bq) + wg * bq
 
       def load_q(t):
@@ -215,7 +213,7 @@ def forward(q, k, v, g: Geometry):
       plgpu.set_max_registers(40, action="decrease")
 
       def tile_body(it, base):
-        b_idx, h, tile = coords(cta + it * ctas)
+        b_idx, h, tile = tile_coords(g, cta + it * ctas)
         _, lo_c, hi_c = cta_block_ranges(g, tile)
         load_k, load_v = mosaic_pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
