@@ -60,7 +60,7 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
 
 
 def forward(ops, spec, static: _Static):
-  plans = tp.make_plans(spec, static.config)
+  plans = tp.make_plans(spec, static.config, fast_exp2=not static.interpret)
   plan = plans["fwd"]
   out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, static.config.fwd,
                                 static.interpret)
@@ -68,7 +68,7 @@ def forward(ops, spec, static: _Static):
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
-  plans = tp.make_plans(spec, static.config)
+  plans = tp.make_plans(spec, static.config, fast_exp2=not static.interpret)
   x = tp.prepare(ops, plans["dq"])
   sqp = plans["dq"].seq_q_padded
   delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)

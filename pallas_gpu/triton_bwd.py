@@ -27,7 +27,7 @@ def _p_ds(plan: tp.Plan, r, t, q, k, v, do, lse2, delta, q_ids, b, h, i, j,
   """Dropped-out p and ds of one tile (ds through the soft cap)."""
   spec = plan.spec
   s, tanh = tp.logits2(plan, q, k, t.get("bias"))
-  p = jnp.exp2(s - lse2[:, None])
+  p = tp.exp2(s - lse2[:, None], plan)
   ok = tp.allowed(plan, i, j, positional, q_ids, t["kv_ids"], t.get("mask"))
   if ok is not None:
     p = jnp.where(ok, p, 0.0)

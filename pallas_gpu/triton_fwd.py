@@ -75,8 +75,8 @@ def _kernel(*refs, plan: tp.Plan, names):
     m_new = jnp.maximum(m, s.max(axis=1))
     # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s * mult - (m_safe * mult)[:, None])
-    alpha = jnp.exp2((m - m_safe) * mult)
+    p = tp.exp2(s * mult - (m_safe * mult)[:, None], plan)
+    alpha = tp.exp2((m - m_safe) * mult, plan)
     l = l * alpha + p.sum(axis=1)
     if seed is not None:
       p = jnp.where(tp.dropout_keep(plan, seed, b, h, i, j), p, 0.0)
