@@ -119,21 +119,20 @@ def dkv(q, k, v, do, stats, g: Geometry):
           pt = jnp.where(band_allowed(qrows, keys, g.band), pt, 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
 
-        def dv_and_dpt(refs):
-          # One wgmma group for both products: a single wait.
-          dv_ref, dpt_ref = refs
-          plgpu.wgmma(dv_ref, pt.astype(dtype), my_do)
+        def products(refs):
+          # dP^T first: dS needs it, while dV (issued second) keeps the tensor
+          # cores busy during the dS arithmetic; dO is free once dV is done.
+          dpt_ref, dv_ref, dk_ref = refs
           plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(my_do, (1, 0)))
+          plgpu.wgmma(dv_ref, pt.astype(dtype), my_do)
+          dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
+          dst = _dscores(pt, dpt, col(delta), tanh)
+          plgpu.wgmma(dk_ref, dst.astype(dtype), my_q)
+          plgpu.wgmma_wait(1)
+          plgpu.barrier_arrive(do_free.at[slot])
 
-        dv, dpt = pl.run_state(dv_and_dpt)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
-        plgpu.barrier_arrive(do_free.at[slot])
-        dst = _dscores(pt, dpt, col(delta), tanh)
-
-        def dk_product(acc_ref):
-          plgpu.wgmma(acc_ref, dst.astype(dtype), my_q)
-
-        dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+        _, dv, dk = pl.run_state(products)(
+            (plgpu.ACC.init(zeros((bk, bq))), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
@@ -243,27 +242,26 @@ def dq(q, k, v, do, stats, g: Geometry):
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
 
-        def s_and_dp(refs):
-          s_ref, dp_ref = refs
+        def products(refs):
+          # P is computed while dP (issued second) is still on the tensor cores.
+          s_ref, dp_ref, acc_ref = refs
           plgpu.wgmma(s_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
           plgpu.wgmma(dp_ref, my_do, compat.transpose_ref(v_smem.at[slot], (1, 0)))
-
-        s_, dp = pl.run_state(s_and_dp)(
-            (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk)))))
-        plgpu.barrier_arrive(v_free.at[slot])
-        p, tanh = _probs(s_, row(lse2), g)
-        if masked:
-          qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
-          ok = keys < g.seq_k
-          if not g.band.is_full:
-            ok = ok & band_allowed(qrows, keys, g.band)
-          p = jnp.where(ok, p, 0.0)
-        ds = _dscores(p, dp, row(delta), tanh)
-
-        def dq_product(acc_ref):
+          p, tanh = _probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), row(lse2), g)
+          if masked:
+            qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
+            ok = keys < g.seq_k
+            if not g.band.is_full:
+              ok = ok & band_allowed(qrows, keys, g.band)
+            p = jnp.where(ok, p, 0.0)
+          dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+          plgpu.barrier_arrive(v_free.at[slot])
+          ds = _dscores(p, dp, row(delta), tanh)
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
 
-        acc = pl.run_state(dq_product)(plgpu.ACC.init(acc))
+        _, _, acc = pl.run_state(products)(
+            (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk))),
+             plgpu.ACC.init(acc)))
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
