@@ -70,3 +70,16 @@ def test_memory_sweep_shows_linear_vs_quadratic():
   # 4x the length: the blockwise one grows ~4x, dense ~16x.
   assert mib[("xla", 4096)] / mib[("xla", 1024)] < 6
   assert mib[("jax-xla", 4096)] / mib[("jax-xla", 1024)] > 10
+
+
+def test_pallas_triton_sweep_parses_candidates():
+  import jax
+  from flashjax.benchmarks import pallas_triton_sweep
+  from flashjax.pallas_gpu import pallas_triton
+  q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
+  cfg = pallas_triton_sweep._config("128,64,8,4", q, q, q, causal=True)
+  assert (cfg.fwd.block_q, cfg.fwd.block_kv, cfg.fwd.num_warps,
+          cfg.fwd.num_stages) == (128, 64, 8, 4)
+  default = pallas_triton_sweep._config("-", q, q, q, causal=False)
+  assert cfg.dq == default.dq and cfg.dkv == default.dkv
+  assert default.fwd.block_kv == 128

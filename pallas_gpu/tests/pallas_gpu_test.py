@@ -149,3 +149,24 @@ def test_fp32_defaults_fit_shared_memory():
   for cfg, streamed in ((fp32.fwd, fp32.fwd.block_kv), (fp32.dq, fp32.dq.block_kv),
                         (fp32.dkv, fp32.dkv.block_q)):
     assert cfg.num_stages * streamed * 256 * 4 <= launch.SHARED_MEMORY_BUDGET
+
+
+def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
+  """The inline ex2.approx.ftz PTX is for compiled kernels; the interpreter (which
+  has no PTX) gets jnp.exp2. The compiled path is checked by the GPU class."""
+  from flashjax.pallas_gpu import triton_plan
+  seen = []
+  make = triton_plan.make_plans
+  monkeypatch.setattr(triton_plan, "make_plans", lambda *a, **kw: (
+      seen.append(kw.get("fast_exp2")), make(*a, **kw))[1])
+  ks = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(kk, (1, 64, 2, 32), jnp.float32) for kk in ks)
+  # Forward and backward each make their plans.
+  jax.grad(lambda q: pallas_triton.flash_attention(
+      q, k, v, interpret=True, config=SMALL).sum())(q)
+  assert len(seen) >= 2 and not any(seen)
+  plan = triton_plan.make_plans(spec.canonicalize(q, k, v)[1], SMALL, fast_exp2=True)
+  assert all(p.fast_exp2 for p in plan.values())
+  x = jnp.linspace(-200.0, 20.0, 64)
+  slow = dataclasses.replace(plan["fwd"], fast_exp2=False)
+  assert jnp.array_equal(triton_plan.exp2(x, slow), jnp.exp2(x))
