@@ -22,6 +22,7 @@ FWD_CANDIDATES = (
     KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
     KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=2),
     KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=4),
     KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3),
 )

@@ -170,3 +170,15 @@ def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
   x = jnp.linspace(-200.0, 20.0, 64)
   slow = dataclasses.replace(plan["fwd"], fast_exp2=False)
   assert jnp.array_equal(triton_plan.exp2(x, slow), jnp.exp2(x))
+
+
+def test_d128_forward_tiles_follow_the_key_length():
+  from flashjax.pallas_gpu import autotune
+  make = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
+                                      head_dim=128, dtype="bfloat16")
+  short, long = (pallas_triton.default_config(make(s)).fwd for s in (2048, 8192))
+  assert (short.block_q, short.block_kv, short.num_warps, short.num_stages) == (
+      128, 64, 4, 2)
+  assert (long.block_q, long.block_kv, long.num_warps, long.num_stages) == (
+      128, 128, 8, 3)
+  assert short in autotune.FWD_CANDIDATES and long in autotune.FWD_CANDIDATES
