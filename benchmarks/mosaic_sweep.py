@@ -15,8 +15,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from flashjax.common import flops, shapes
-from flashjax.common.mask import Band
+from flashjax.benchmarks import sweeps
+from flashjax.common import shapes
 from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import mosaic
 
@@ -38,20 +38,10 @@ def _fields(text):
   return out
 
 
-def _inputs(shp):
-  """Random bf16 q, k, v and an output cotangent for one shape."""
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (shp.batch, shp.seq_q, shp.heads_q, shp.head_dim),
-                        jnp.bfloat16)
-  k, v = (jax.random.normal(kk, (shp.batch, shp.seq_k, shp.heads_kv, shp.head_dim),
-                            jnp.bfloat16) for kk in ks[1:3])
-  return q, k, v, jax.random.normal(ks[3], q.shape, jnp.bfloat16)
-
-
 def sweep_backward(set_name, cands):
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   for shp in shapes.get(set_name):
-    q, k, v, do = _inputs(shp)
+    q, k, v, do = sweeps.inputs(shp)
 
     def grad_of(attn):
       return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
@@ -77,27 +67,12 @@ def main():
     args = sys.argv[2:]
     return sweep_backward(args[0] if args else "standard", args[1:] or ["-"])
   set_name = sys.argv[1] if len(sys.argv) > 1 else "standard"
-  cands = sys.argv[2:] or DEFAULT
-  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-  for shp in shapes.get(set_name):
-    q, k, v, _ = _inputs(shp)
-    band = Band(seq_q=shp.seq_q, seq_k=shp.seq_k, right=0 if shp.causal else None)
-    fl = flops.forward_flops(batch=shp.batch, heads_q=shp.heads_q,
-                             head_dim=shp.head_dim, band=band)
-    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=shp.causal, implementation="cudnn"))
-    base = time_ms(ref, (q, k, v), iters=10, repeats=5)
-    row = [f"{shp.name:26s} cudnn {fl / base / 1e9:4.0f}"]
-    for text in cands:
-      try:
-        cfg = mosaic.MosaicConfig(**_fields(text))
-        f = jax.jit(lambda q, k, v: mosaic.flash_attention(q, k, v, causal=shp.causal,
-                                                           config=cfg))
-        t = time_ms(f, (q, k, v), iters=10, repeats=5)
-        row.append(f"{text} {fl / t / 1e9:4.0f} ({base / t:.2f}x)")
-      except Exception as e:  # a config that does not fit is reported, not fatal
-        row.append(f"{text} ERR {type(e).__name__}: {str(e)[:60]}")
-    print(" | ".join(row), flush=True)
+  sweeps.forward_rows(
+      set_name, sys.argv[2:] or DEFAULT, "cudnn",
+      lambda shp: lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=shp.causal, implementation="cudnn"),
+      lambda text, shp, q, k, v: lambda q, k, v: mosaic.flash_attention(
+          q, k, v, causal=shp.causal, config=mosaic.MosaicConfig(**_fields(text))))
 
 
 if __name__ == "__main__":

@@ -8,16 +8,12 @@ A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
 """
 
 import dataclasses
+import functools
 import sys
 
-import jax
-
+from flashjax.benchmarks import sweeps
 from flashjax.benchmarks.impls import _jax_pallas_triton
-from flashjax.benchmarks.mosaic_sweep import _inputs
-from flashjax.common import flops, shapes
-from flashjax.common.mask import Band
 from flashjax.common.spec import canonicalize
-from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import pallas_triton
 from flashjax.pallas_gpu.triton_plan import KernelConfig
 
@@ -35,29 +31,13 @@ def _config(text, q, k, v, causal):
 
 
 def main():
-  set_name = sys.argv[1] if len(sys.argv) > 1 else "standard"
-  cands = sys.argv[2:] or DEFAULT
-  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   example = _jax_pallas_triton()
-  for shp in shapes.get(set_name):
-    q, k, v, _ = _inputs(shp)
-    band = Band(seq_q=shp.seq_q, seq_k=shp.seq_k, right=0 if shp.causal else None)
-    fl = flops.forward_flops(batch=shp.batch, heads_q=shp.heads_q,
-                             head_dim=shp.head_dim, band=band)
-    ref = jax.jit(lambda q, k, v: example(q, k, v, shp.causal))
-    base = time_ms(ref, (q, k, v), iters=10, repeats=5)
-    row = [f"{shp.name:26s} example {fl / base / 1e9:4.0f}"]
-    for text in cands:
-      try:
-        cfg = _config(text, q, k, v, shp.causal)
-        f = jax.jit(lambda q, k, v: pallas_triton.flash_attention(
-            q, k, v, causal=shp.causal, config=cfg))
-        t = time_ms(f, (q, k, v), iters=10, repeats=5)
-        row.append(f"{text} {fl / t / 1e9:4.0f} ({base / t:.2f}x)")
-      except Exception as e:  # a config that does not fit is reported, not fatal
-        row.append(f"{text} ERR {type(e).__name__}: {str(e)[:60]}")
-    print(" | ".join(row), flush=True)
-
+  sweeps.forward_rows(
+      sys.argv[1] if len(sys.argv) > 1 else "standard", sys.argv[2:] or DEFAULT,
+      "example", lambda shp: lambda q, k, v: example(q, k, v, shp.causal),
+      lambda text, shp, q, k, v: functools.partial(
+          pallas_triton.flash_attention, causal=shp.causal,
+          config=_config(text, q, k, v, shp.causal)))
 
 if __name__ == "__main__":
   main()

@@ -83,3 +83,23 @@ def test_pallas_triton_sweep_parses_candidates():
   default = pallas_triton_sweep._config("-", q, q, q, causal=False)
   assert cfg.dq == default.dq and cfg.dkv == default.dkv
   assert default.fwd.block_kv == 128
+
+
+def test_sweep_rows_time_candidates_against_the_baseline(capsys):
+  import jax
+  from flashjax.benchmarks import sweeps
+
+  def candidate(text, shp, q, k, v):
+    if text == "bad":
+      raise ValueError("does not fit")
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=shp.causal)
+
+  sweeps.forward_rows("quick", ["good", "bad"], "xla",
+                      lambda shp: lambda q, k, v: jax.nn.dot_product_attention(
+                          q, k, v, is_causal=shp.causal), candidate,
+                      iters=1, repeats=1)
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("B1")]
+  assert len(rows) == len(get("quick"))
+  for r in rows:
+    assert " xla " in r and "good " in r and "x) |" in r
+    assert "bad ERR ValueError: does not fit" in r
