@@ -58,9 +58,11 @@ class KernelsConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> "KernelsConfig":
+    # Scalar fields (fp32_precision, a subclass's launch flags) pass through;
+    # entries cached before a field existed take its default.
+    rest = {k: v for k, v in d.items() if k not in ("fwd", "dq", "dkv")}
     return cls(fwd=KernelConfig(**d["fwd"]), dq=KernelConfig(**d["dq"]),
-               dkv=KernelConfig(**d["dkv"]),
-               fp32_precision=d.get("fp32_precision", "ieee"))
+               dkv=KernelConfig(**d["dkv"]), **rest)
 
 
 def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
@@ -79,19 +81,33 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
                          budget: int = SHARED_MEMORY_BUDGET) -> KernelsConfig:
   """Halves each kernel's streamed tile (K/V rows for fwd and dq, Q/dO rows for
   dkv) until ``num_stages`` copies of it fit ``budget``. The defaults are tuned
-  for 2-byte inputs; fp32 doubles their bytes (a 128-key fp32 tile at D = 128
-  with 3 stages asks for 384 KiB and fails to launch)."""
+  for 2-byte inputs without bias; fp32 doubles their bytes (a 128-key fp32 tile at
+  D = 128 with 3 stages asks for 384 KiB and fails to launch), and a bias or mask
+  tile rides along each streamed row (bf16 D = 128 with a full fp32 bias asked an
+  H200 for 353 KiB)."""
   row_bytes = ((tile_size(spec.head_dim) + tile_size(spec.head_dim_v)) *
                jnp.dtype(spec.dtype).itemsize)
 
-  def fit(c, streamed):
-    while c.num_stages * getattr(c, streamed) * row_bytes > budget and (
+  def tile_bytes(shape, itemsize, other):
+    # Bytes per streamed row of a [.., Sq, Sk] tile: a full other side is
+    # ``other`` wide (counted whichever side streams: an upper bound).
+    if shape is None:
+      return 0
+    return itemsize * (other if min(shape[2], shape[3]) > 1 else 1)
+
+  def fit(c, streamed, other):
+    def per_row():
+      o = getattr(c, other)
+      return (row_bytes + tile_bytes(spec.bias_shape, 4, o) +
+              tile_bytes(spec.mask_shape, 1, o) + 4 * spec.has_segment_ids)
+    while c.num_stages * getattr(c, streamed) * per_row() > budget and (
         getattr(c, streamed) > 16):
       c = dataclasses.replace(c, **{streamed: getattr(c, streamed) // 2})
     return c
 
-  return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv"),
-                             dq=fit(cfg.dq, "block_kv"), dkv=fit(cfg.dkv, "block_q"))
+  return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv", "block_q"),
+                             dq=fit(cfg.dq, "block_kv", "block_q"),
+                             dkv=fit(cfg.dkv, "block_q", "block_kv"))
 
 
 def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:

@@ -151,6 +151,22 @@ def test_fp32_defaults_fit_shared_memory():
     assert cfg.num_stages * streamed * 256 * 4 <= launch.SHARED_MEMORY_BUDGET
 
 
+def test_bias_and_mask_tiles_count_in_the_shared_memory_fit():
+  # The bf16 D = 128 long-key forward (128 keys x 3 stages) with a full fp32 bias
+  # asked an H200 for 353 KiB; a full int8 mask adds 48 KiB to 192 (over the
+  # budget too); a bias that is one value per key stays cheap.
+  make = lambda **kw: pallas_triton.default_config(spec.abstract_spec(
+      batch=1, seq_q=4096, seq_k=4096, heads_q=2, head_dim=128, dtype="bfloat16",
+      **kw))
+  sd = jax.ShapeDtypeStruct
+  full = make(bias=sd((1, 2, 4096, 4096), jnp.float32))
+  keys_only = make(bias=sd((1, 1, 1, 4096), jnp.float32))
+  masked = make(mask=sd((1, 1, 4096, 4096), jnp.bool_))
+  assert (full.fwd.block_kv, keys_only.fwd.block_kv, masked.fwd.block_kv) == (
+      64, 128, 64)
+  assert full.dkv.block_q == 64 and full.fwd.block_q == 128
+
+
 def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
   """The inline ex2.approx.ftz PTX is for compiled kernels; the interpreter (which
   has no PTX) gets jnp.exp2. The compiled path is checked by the GPU class."""
