@@ -4,7 +4,8 @@ Pallas-Triton example timed in the same process for ratios.
   python -m flashjax.benchmarks.pallas_triton_sweep [shape_set] [cand ...]
 
 A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
-``-`` is the default config.
+``-`` is the default config. A trailing ``,fold`` or ``,nofold`` sets
+``TritonConfig.fold_causal`` (e.g. ``-,nofold``); without it the default's stands.
 """
 
 import dataclasses
@@ -23,9 +24,12 @@ DEFAULT = ["-", "128,64,8,3", "128,64,8,4"]
 def _config(text, q, k, v, causal):
   _, spec = canonicalize(q, k, v, causal=causal)
   base = pallas_triton.default_config(spec)
-  if text == "-":
+  parts = text.split(",")
+  if parts[-1] in ("fold", "nofold"):
+    base = dataclasses.replace(base, fold_causal=parts.pop() == "fold")
+  if parts == ["-"]:
     return base
-  bq, bk, w, s = (int(x) for x in text.split(",")[:4])
+  bq, bk, w, s = (int(x) for x in parts)
   return dataclasses.replace(base, fwd=KernelConfig(block_q=bq, block_kv=bk,
                                                     num_warps=w, num_stages=s))
 

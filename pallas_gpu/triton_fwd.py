@@ -1,5 +1,6 @@
-"""Pallas-Triton forward kernel: grid (q blocks, B, Hq), one program per q tile,
-online softmax in base 2 over the kv tiles the band reaches.
+"""Pallas-Triton forward kernel: grid (q blocks, B, Hq), one program per q tile
+(or per pair of q tiles for causal bands, TritonConfig.fold_causal), online
+softmax in base 2 over the kv tiles the band reaches.
 
 The kv loop runs in three stages: edge tiles that the band (or the padded key
 tail) cuts need the positional mask, interior tiles do not, so most of a causal or
@@ -45,13 +46,42 @@ def stages(plan: tp.Plan, lo, lo_full, hi_full, hi, body, carry):
                            carry)
 
 
-def _kernel(*refs, plan: tp.Plan, names):
+def folds(plan: tp.Plan, fold_causal: bool) -> bool:
+  """Whether the forward pairs q blocks (TritonConfig.fold_causal): only for a
+  causal band, where q block i reaches i + 1 kv tiles and the pairs balance."""
+  band = plan.spec.band
+  return (fold_causal and band.left is None and band.right is not None
+          and plan.num_q_blocks > 1)
+
+
+def _kernel(*refs, plan: tp.Plan, names, fold: bool):
   r = dict(zip(names, refs))
+  # Program ids are read here: the interpreter cannot lower them inside pl.when.
+  p, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  block = functools.partial(_q_block, r, plan, b=b, h=h)
+  if not fold:
+    block(p, sliced=False)
+    return
+  # Heaviest block first: on an H200 that order, not the light-first one,
+  # gave the long-key gain (benchmarks/NOTES.md, session 7).
+  n = plan.num_q_blocks
+  block(n - 1 - p, sliced=True)
+  if n % 2:
+    @pl.when(p != n - 1 - p)  # the middle block of an odd count runs once
+    def _():
+      block(p, sliced=True)
+  else:
+    block(p, sliced=True)
+
+
+def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h):
+  """Output and lse rows of q block i. ``sliced``: the q/o/lse/q_ids refs hold
+  the whole sequence (folded launch), else just this block."""
   spec = plan.spec
   bq, bk = plan.block_q, plan.block_kv
-  i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  q = r["q"][...]
-  q_ids = r["q_ids"][...] if "q_ids" in r else None
+  rows = pl.ds(i * bq, bq) if sliced else slice(None)
+  q = r["q"][rows, :]
+  q_ids = r["q_ids"][rows] if "q_ids" in r else None
   seed = r.get("seed")
 
   # Without bias or cap the row max is taken on the raw products and the scale
@@ -91,10 +121,10 @@ def _kernel(*refs, plan: tp.Plan, names):
   out = acc / safe_l[:, None]
   if spec.dropout_rate > 0:
     out = out * (1.0 / (1.0 - spec.dropout_rate))
-  r["o"][...] = out.astype(r["o"].dtype)
+  r["o"][rows, :] = out.astype(r["o"].dtype)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  r["lse"][...] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * tp.LN2,
-                            -jnp.inf)
+  r["lse"][rows] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * tp.LN2,
+                             -jnp.inf)
 
 
 def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
@@ -118,32 +148,36 @@ def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
   return out
 
 
-def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret):
+def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret,
+            fold_causal: bool = False):
   """``out [B, Sqp, Hq, Dvp]`` (input dtype), ``lse [B, Hq, Sqp]`` (fp32, rows
   only, no sinks)."""
   spec = plan.spec
   bq, g = plan.block_q, spec.group_size
   dp, dvp = plan.head_dim_padded, plan.head_dim_v_padded
-  skp = plan.seq_k_padded
+  sqp, skp = plan.seq_q_padded, plan.seq_k_padded
+  fold = folds(plan, fold_causal)
+  # A folded program reaches two q blocks, so its q-side blocks span the sequence.
+  rq = sqp if fold else bq
+  qi = (lambda i: 0) if fold else (lambda i: i)
   specs = [
-      ("q", pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0)), x.q),
+      ("q", pl.BlockSpec((None, rq, None, dp), lambda i, b, h: (b, qi(i), h, 0)), x.q),
       ("k", pl.BlockSpec((None, skp, None, dp), lambda i, b, h: (b, 0, h // g, 0)), x.k),
       ("v", pl.BlockSpec((None, skp, None, dvp), lambda i, b, h: (b, 0, h // g, 0)),
        x.v),
   ] + in_specs(x, plan,
-               pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+               pl.BlockSpec((None, rq), lambda i, b, h: (b, qi(i))),
                pl.BlockSpec((None, skp), lambda i, b, h: (b, 0)),
                lambda i, b, h: (b, h))
   names = [n for n, _, _ in specs] + ["o", "lse"]
-  out_shape = [jax.ShapeDtypeStruct((spec.batch, plan.seq_q_padded, spec.heads_q, dvp),
-                                    x.q.dtype),
-               jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_padded),
-                                    jnp.float32)]
-  out_specs = [pl.BlockSpec((None, bq, None, dvp), lambda i, b, h: (b, i, h, 0)),
-               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+  out_shape = [jax.ShapeDtypeStruct((spec.batch, sqp, spec.heads_q, dvp), x.q.dtype),
+               jax.ShapeDtypeStruct((spec.batch, spec.heads_q, sqp), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, rq, None, dvp), lambda i, b, h: (b, qi(i), h, 0)),
+               pl.BlockSpec((None, None, rq), lambda i, b, h: (b, h, qi(i)))]
+  n = plan.num_q_blocks
   return pl.pallas_call(
-      functools.partial(_kernel, plan=plan, names=names),
-      grid=(plan.num_q_blocks, spec.batch, spec.heads_q),
+      functools.partial(_kernel, plan=plan, names=names, fold=fold),
+      grid=((n + 1) // 2 if fold else n, spec.batch, spec.heads_q),
       in_specs=[s for _, s, _ in specs], out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),

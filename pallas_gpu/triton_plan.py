@@ -21,8 +21,19 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-# One config definition for both Triton-based platforms (common/launch.py).
-TritonConfig = KernelsConfig
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonConfig(KernelsConfig):
+  """The tiles of common/launch.py plus the Pallas-Triton forward's launch order.
+
+  ``fold_causal``: with a causal band (keys up to the diagonal, any offset, no left
+  window edge) each forward program runs q block ``n - 1 - p`` and then block
+  ``p``, so every program does the same work (n + 1 kv tiles) and the grid has no
+  tail of long programs. 1.21-1.23x vs 1.12-1.14x JAX's example at B1 S16k
+  causal on an H200 with 128x128 8-warp tiles (benchmarks/NOTES.md, session 7);
+  off by default for explicit configs, on where default_config measured it.
+  """
+
+  fold_causal: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

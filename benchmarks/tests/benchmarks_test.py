@@ -83,6 +83,11 @@ def test_pallas_triton_sweep_parses_candidates():
   default = pallas_triton_sweep._config("-", q, q, q, causal=False)
   assert cfg.dq == default.dq and cfg.dkv == default.dkv
   assert default.fwd.block_kv == 128
+  assert default.fold_causal and cfg.fold_causal  # the long-key default folds
+  off = pallas_triton_sweep._config("-,nofold", q, q, q, causal=True)
+  assert not off.fold_causal and off.fwd == default.fwd
+  on = pallas_triton_sweep._config("128,64,4,2,fold", q, q, q, causal=True)
+  assert on.fold_causal and on.fwd.num_warps == 4
 
 
 def test_sweep_rows_time_candidates_against_the_baseline(capsys):

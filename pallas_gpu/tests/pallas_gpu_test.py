@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashjax.common import conformance, spec, tolerances
@@ -12,9 +13,11 @@ from flashjax.pallas_gpu import pallas_triton
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
 ON_GPU = jax.default_backend() == "gpu"
+# Paired (folded) causal forward programs too: the small-tile suite runs every
+# causal case through that launch, with odd and even q-block counts.
 SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
                      dq=KernelConfig(block_q=16, block_kv=32),
-                     dkv=KernelConfig(block_q=32, block_kv=16))
+                     dkv=KernelConfig(block_q=32, block_kv=16), fold_causal=True)
 
 
 class TestPallasTritonInterpret(conformance.ConformanceSuite):
@@ -27,7 +30,8 @@ class TestPallasTritonInterpret(conformance.ConformanceSuite):
 
 
 class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
-  """Different tiles per kernel: many edge tiles, shared padding."""
+  """Different tiles per kernel: many edge tiles, shared padding, folded causal
+  forward programs."""
 
   CAPS = conformance.Capabilities(name="pallas-triton[interpret,small]",
                                   head_dim_ok=lambda d: d <= 256, max_seq_len=300,
@@ -46,6 +50,82 @@ class TestPallasTritonGpu(conformance.ConformanceSuite):
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, **kwargs)
+
+
+class _FoldedLongTiles(conformance.ConformanceSuite):
+  """The D = 128 long-key tiles with folded causal programs (not collected: the
+  cases below pick what it runs)."""
+
+  CAPS = conformance.Capabilities(name="pallas-triton[gpu,folded]",
+                                  head_dim_ok=lambda d: d <= 256)
+  CONFIG = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
+                                         num_stages=3),
+                        dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                        num_stages=2),
+                        dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
+                                         num_stages=2), fold_causal=True)
+
+  def attention(self, q, k, v, **kwargs):
+    from flashjax.common import launch
+    s = spec.canonicalize(q, k, v, **kwargs)[1]
+    return pallas_triton.flash_attention(
+        q, k, v, config=launch.fit_to_shared_memory(self.CONFIG, s), **kwargs)
+
+
+# 1000 rows: 8 q blocks of 128 (even); 1100: 9 (odd, the middle block alone).
+FOLDED_CASES = {
+    "even": conformance.Case(seq_q=1000, seq_k=1000, causal=True, head_dim=128,
+                             dtype="bfloat16"),
+    "odd-fp16": conformance.Case(seq_q=1100, seq_k=1100, causal=True, head_dim=128,
+                                 dtype="float16"),
+    "sq<sk": conformance.Case(seq_q=700, seq_k=1300, causal=True, head_dim=128,
+                              dtype="bfloat16"),
+    "sq>sk": conformance.Case(seq_q=1300, seq_k=700, causal=True, head_dim=128,
+                              dtype="bfloat16"),
+    "features": conformance.Case(batch=2, seq_q=1100, seq_k=1100, causal=True,
+                                 head_dim=128, dtype="bfloat16", segment_ids="padded",
+                                 bias_shape=(1, -1, -1, -1), sinks=1,
+                                 dropout_rate=0.1),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.parametrize("name", sorted(FOLDED_CASES))
+def test_folded_causal_forward_on_gpu(name):
+  _FoldedLongTiles().check(FOLDED_CASES[name])
+
+
+def test_fold_applies_to_causal_bands_only():
+  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  make = lambda **kw: spec.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
+                                         head_dim=64, **kw)
+  plan = lambda s, bq=32: triton_plan.Plan(s, bq, 16, bq, 16)
+  assert triton_fwd.folds(plan(make(causal=True)), True)
+  assert not triton_fwd.folds(plan(make(causal=True)), False)
+  assert not triton_fwd.folds(plan(make()), True)
+  assert not triton_fwd.folds(plan(make(sliding_window=(64, 0))), True)
+  assert not triton_fwd.folds(plan(make(causal=True), bq=256), True)  # one block
+  d128 = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
+                                      head_dim=128, dtype="bfloat16", causal=True)
+  assert pallas_triton.default_config(d128(8192)).fold_causal
+  assert not pallas_triton.default_config(d128(2048)).fold_causal
+
+
+@pytest.mark.parametrize("seq", [160, 192])  # 5 and 6 q blocks of 32
+def test_folded_forward_equals_one_program_per_block(seq):
+  """Same arithmetic per q block, only the launch differs: exact equality, with
+  the features that index by q block (bias rows, segment ids, dropout)."""
+  ks = jax.random.split(jax.random.key(5), 4)
+  q, k, v = (jax.random.normal(kk, (2, seq, 2, 32), jnp.float32) for kk in ks[:3])
+  bias = jax.random.normal(ks[3], (1, 2, seq, seq))
+  ids = jnp.broadcast_to((jnp.arange(seq) >= seq // 3).astype(jnp.int32), (2, seq))
+  run = lambda cfg: pallas_triton.flash_attention(
+      q, k, v, causal=True, bias=bias, segment_ids=(ids, ids), dropout_rate=0.2,
+      dropout_seed=jnp.int32(3), return_lse=True, interpret=True, config=cfg)
+  folded = run(SMALL)
+  plain = run(dataclasses.replace(SMALL, fold_causal=False))
+  for a, b in zip(folded, plain):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_tf32_option_is_documented_and_close():
