@@ -96,11 +96,10 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
     return itemsize * (other if min(shape[2], shape[3]) > 1 else 1)
 
   def fit(c, streamed, other):
-    def per_row():
-      o = getattr(c, other)
-      return (row_bytes + tile_bytes(spec.bias_shape, 4, o) +
-              tile_bytes(spec.mask_shape, 1, o) + 4 * spec.has_segment_ids)
-    while c.num_stages * getattr(c, streamed) * per_row() > budget and (
+    o = getattr(c, other)  # only the streamed side is halved
+    per_row = (row_bytes + tile_bytes(spec.bias_shape, 4, o) +
+               tile_bytes(spec.mask_shape, 1, o) + 4 * spec.has_segment_ids)
+    while c.num_stages * getattr(c, streamed) * per_row > budget and (
         getattr(c, streamed) > 16):
       c = dataclasses.replace(c, **{streamed: getattr(c, streamed) // 2})
     return c

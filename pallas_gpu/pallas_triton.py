@@ -42,7 +42,7 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
     # The H200 autotune winner for D = 128 at S >= 8k; keys up to 2k run better
     # in 4-warp 128x64 programs with 2 stages, two per SM (1.22x JAX's example
     # vs 1.17x at B8 S2k, 1.00x vs 1.15x at B1 S16k: reports/*-pallas-triton-sweeps).
-    # Long keys: causal programs paired (fold_causal), 1.21-1.23x vs 1.12-1.14x
+    # Long keys: causal programs paired (fold_causal), 1.20-1.23x vs 1.12-1.16x
     # at B1 S16k causal; with the short-key tiles folding gave 1.00x vs 1.17x.
     short = spec.seq_k <= 2048
     cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64 if short else 128,

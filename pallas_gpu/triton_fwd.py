@@ -58,20 +58,20 @@ def _kernel(*refs, plan: tp.Plan, names, fold: bool):
   r = dict(zip(names, refs))
   # Program ids are read here: the interpreter cannot lower them inside pl.when.
   p, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  block = functools.partial(_q_block, r, plan, b=b, h=h)
+  block = functools.partial(_q_block, r, plan, b=b, h=h, sliced=fold)
   if not fold:
-    block(p, sliced=False)
+    block(p)
     return
   # Heaviest block first: on an H200 that order, not the light-first one,
   # gave the long-key gain (benchmarks/NOTES.md, session 7).
   n = plan.num_q_blocks
-  block(n - 1 - p, sliced=True)
+  block(n - 1 - p)
   if n % 2:
     @pl.when(p != n - 1 - p)  # the middle block of an odd count runs once
     def _():
-      block(p, sliced=True)
+      block(p)
   else:
-    block(p, sliced=True)
+    block(p)
 
 
 def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h):

@@ -28,7 +28,7 @@ class TritonConfig(KernelsConfig):
   ``fold_causal``: with a causal band (keys up to the diagonal, any offset, no left
   window edge) each forward program runs q block ``n - 1 - p`` and then block
   ``p``, so every program does the same work (n + 1 kv tiles) and the grid has no
-  tail of long programs. 1.21-1.23x vs 1.12-1.14x JAX's example at B1 S16k
+  tail of long programs. 1.20-1.23x vs 1.12-1.16x JAX's example at B1 S16k
   causal on an H200 with 128x128 8-warp tiles (benchmarks/NOTES.md, session 7);
   off by default for explicit configs, on where default_config measured it.
   """
