@@ -108,3 +108,28 @@ def test_sweep_rows_time_candidates_against_the_baseline(capsys):
   for r in rows:
     assert " xla " in r and "good " in r and "x) |" in r
     assert "bad ERR ValueError: does not fit" in r
+
+
+def test_kernel_profile_summary_groups_kernels_under_their_marker(tmp_path):
+  from flashjax.benchmarks import kernel_profile
+  header = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+  rows = [
+      ("0", "mark_pallas_B2_S8k_H16_D128_bwd", "SOL", "Duration", "ns", "1,024"),
+      ("1", "dq_kernel(int)", "SOL", "Duration", "ms", "1.50"),
+      ("1", "dq_kernel(int)", "CWA", "Issue Slots Busy", "%", "40.5"),
+      ("1", "dq_kernel(int)", "cmd",
+       "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "%", "61.2"),
+      ("2", "dkv_kernel(int)", "SOL", "Duration", "usecond", "2,500.5"),
+      ("3", "mark_jax_cudnn_B2_S8k_H16_D128_bwd", "SOL", "Duration", "nsecond", "900"),
+      ("4", "cudnn_bwd", "SOL", "Duration", "usecond", "3000"),
+  ]
+  path = tmp_path / "prof.csv"
+  path.write_text("==PROF== Connected\n" + header + "".join(
+      ",".join(f'"{c}"' for c in r) + "\n" for r in rows))
+  text = kernel_profile.summarize(str(path))
+  pallas, cudnn = text.split("== ")[1:]
+  assert pallas.startswith("pallas_B2_S8k_H16_D128 bwd")
+  assert "us=1500.0" in pallas and "issue%=40.5" in pallas
+  assert "pipe_tensor_op_gmma_cycles_active=61.2" in pallas
+  assert "total 4000.5 us" in pallas
+  assert "total 3000.0 us" in cudnn and "mark_" not in text.replace("== ", "")
