@@ -49,6 +49,8 @@ class MosaicConfig:
     dkv_block_q: dK/dV query rows per pipeline step.
     dkv_block_kv: dK/dV keys per compute warpgroup (a CTA owns two).
     dkv_stages: dK/dV Q/dO shared-memory slots in flight.
+    bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
+      instead of two) rather than one after the other.
   """
 
   block_q: int = 64
@@ -61,6 +63,7 @@ class MosaicConfig:
   dkv_block_q: int = 64
   dkv_block_kv: int = 64
   dkv_stages: int = 2
+  bwd_one_launch: bool = True
   backward: pallas_triton.TritonConfig | None = None
 
   def __post_init__(self):
@@ -74,6 +77,8 @@ class MosaicConfig:
     if self.backward_kernel not in BACKWARD_KERNELS:
       raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
                        f"{self.backward_kernel!r}")
+    if not isinstance(self.bwd_one_launch, bool):
+      raise ValueError(f"bwd_one_launch must be a bool, got {self.bwd_one_launch!r}")
     if self.dq_block_kv not in (64, 128):
       raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
     if self.dkv_block_kv != 64:
@@ -189,8 +194,11 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
-  dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
-  dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
+  if static.config.bwd_one_launch:
+    dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv)
+  else:
+    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
+    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)

@@ -64,18 +64,16 @@ def _index(shape, dim, start):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
 
 
-def dkv(q, k, v, do, stats, g: Geometry):
-  """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
-  ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
-  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
+def _dkv_program(g: Geometry, dtype):
+  """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
+  ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), *scoped)`` for key
+  tile ``tile`` of one (query head, batch)."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
-  dtype = q.dtype
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, smem, bars, free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, smem, bars,
+             free):
     q_free, do_free = free
-    b_idx = lax.axis_index("b")
-    h = lax.axis_index("h")
-    tile = lax.axis_index("kt")
+    tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
     q_bar, do_bar, st_bar, k_bar, v_bar = bars
@@ -174,43 +172,48 @@ def dkv(q, k, v, do, stats, g: Geometry):
     pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q))))
 
-  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref):
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = (
-        plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
-        plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
-        plgpu.SMEM((stages, 2, bq), jnp.float32),
-        plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
-        plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
-    )
-    bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
-    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref,
-                               *scoped),
-        smem, bars, free, collective_axes="wg")
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((stages, 2, bq), jnp.float32),
+      plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
+      plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
+  )
+  bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
+  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+  return (smem, bars, free), kernel
 
-  shape = (g.batch, g.seq_k_padded, g.heads_q, d)
-  out_type = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape, dtype))
+
+def _launch(entry, out_type, grid, tile_axis):
   return plgpu.kernel(
-      entry, out_type=out_type,
-      grid=(g.num_kv_tiles, g.heads_q, g.batch), grid_names=("kt", "h", "b"),
+      entry, out_type=out_type, grid=grid, grid_names=(tile_axis, "h", "b"),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, do, stats)
+      compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
-def dq(q, k, v, do, stats, g: Geometry):
-  """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
-  block_q``, Sk to ``block_kv``). Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
+def dkv(q, k, v, do, stats, g: Geometry):
+  """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
+  ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
+  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
+  scoped, kernel = _dkv_program(g, q.dtype)
+
+  def entry(*refs):
+    where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
+    pl.run_scoped(lambda *sc: kernel(*refs, where, *sc), *scoped, collective_axes="wg")
+
+  shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
+  return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
+                 (g.num_kv_tiles, g.heads_q, g.batch), "kt")(q, k, v, do, stats)
+
+
+def _dq_program(g: Geometry, dtype):
+  """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, dq, (tile,
+  head, batch), *scoped)`` for query tile ``tile``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
-  dtype = q.dtype
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, smem, bars, free):
-    b_idx = lax.axis_index("b")
-    h = lax.axis_index("h")
-    # Reverse tile order: the longest causal rows start first.
-    tile = (g.num_q_tiles - 1) - lax.axis_index("qt")
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, smem, bars, free):
+    tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
     q_bar, k_bar, v_bar = bars
@@ -292,25 +295,75 @@ def dq(q, k, v, do, stats, g: Geometry):
     pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
         lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k))))
 
-  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref):
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = (
-        plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
-        plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
-        plgpu.SMEM((2, 2, bq), jnp.float32),
-        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
-        plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
-    )
-    bars = (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages))
-    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, *scoped),
-        smem, bars, free, collective_axes="wg")
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((2, 2, bq), jnp.float32),
+      plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+      plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+  )
+  bars = (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages))
+  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+  return (smem, bars, free), kernel
 
+
+def _dq_tile(g: Geometry, index):
+  """Reverse tile order: the longest causal rows start first."""
+  return (g.num_q_tiles - 1) - index
+
+
+def dq(q, k, v, do, stats, g: Geometry):
+  """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
+  block_q``, Sk to ``block_kv``). Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
+  scoped, kernel = _dq_program(g, q.dtype)
+
+  def entry(*refs):
+    where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"), lax.axis_index("b"))
+    pl.run_scoped(lambda *sc: kernel(*refs, where, *sc), *scoped, collective_axes="wg")
+
+  return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 (g.num_q_tiles, g.heads_q, g.batch), "qt")(q, k, v, do, stats)
+
+
+def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
+  """:func:`dq` and :func:`dkv` in one launch: every dK/dV CTA first (tiles
+  fastest, so CTAs in flight share one head's Q and dO in L2), then every dQ CTA.
+  The two grids' tails become one, filled by the shorter dQ CTAs. Returns ``(dq,
+  dk, dv)``."""
+  assert (g_dq.batch, g_dq.heads_q) == (g_dkv.batch, g_dkv.heads_q)
+  dkv_scoped, dkv_kernel = _dkv_program(g_dkv, q.dtype)
+  dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
+  n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q
+  first_dq = n_kv * heads * g_dq.batch
+
+  def split(i, n):
+    """Linear CTA index -> (tile, head, batch), tiles fastest."""
+    hb = lax.div(i, jnp.int32(n))
+    return lax.rem(i, jnp.int32(n)), lax.rem(hb, jnp.int32(heads)), lax.div(
+        hb, jnp.int32(heads))
+
+  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, dk_ref, dv_ref):
+    t = lax.axis_index("t")
+    ins = (q_ref, k_ref, v_ref, do_ref, st_ref)
+
+    @pl.when(t < first_dq)
+    def _():
+      pl.run_scoped(lambda *sc: dkv_kernel(*ins, dk_ref, dv_ref, split(t, n_kv), *sc),
+                    *dkv_scoped, collective_axes="wg")
+
+    @pl.when(t >= first_dq)
+    def _():
+      tile, h, b = split(t - first_dq, n_q)
+      pl.run_scoped(lambda *sc: dq_kernel(*ins, dq_ref, (_dq_tile(g_dq, tile), h, b),
+                                          *sc), *dq_scoped, collective_axes="wg")
+
+  kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
+  out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct(kv_shape, q.dtype),
+              jax.ShapeDtypeStruct(kv_shape, q.dtype))
   return plgpu.kernel(
-      entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(g.num_q_tiles, g.heads_q, g.batch), grid_names=("qt", "h", "b"),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, do, stats)
+      entry, out_type=out_type, grid=(first_dq + n_q * heads * g_dq.batch,),
+      grid_names=("t",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(q, k, v, do, stats)

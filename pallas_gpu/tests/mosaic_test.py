@@ -131,6 +131,9 @@ VARIANTS = [
     # The forward's launch kinds: persistent by default only for the full band.
     dict(causal=True, persistent=True), dict(persistent=False),
     dict(head_dim=256, sliding_window=(64, 0), persistent=True),
+    # The backward's dQ and dK/dV kernels as one launch (default) or two.
+    dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
+                                                  heads_kv=2, bwd_one_launch=False),
 ]
 
 
@@ -143,6 +146,7 @@ def test_every_variant_lowers_for_cuda(variant):
   dtype = kw.pop("dtype", "bfloat16")
   sinks = kw.pop("sinks", False)
   persistent = kw.pop("persistent", None)
+  one_launch = kw.pop("bwd_one_launch", True)
   sd = jax.ShapeDtypeStruct
   q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
   k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
@@ -161,7 +165,7 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
-    config = mosaic.default_config(spec)
+    config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
     static = mosaic._Static(config, pallas_triton._Static(
         pallas_triton.default_config(spec), False))
     out, lse = mosaic.forward(ops, spec, static)
@@ -169,8 +173,11 @@ def test_every_variant_lowers_for_cuda(variant):
 
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
-  # Forward, dQ and dK/dV kernels up to D = 128; Pallas-Triton backward beyond.
-  assert text.count("custom_call @mosaic_gpu") == (3 if shape["head_dim"] <= 128 else 1)
+  # Forward, dQ and dK/dV kernels (one launch or two) up to D = 128;
+  # Pallas-Triton backward beyond.
+  mosaic_bwd_launches = 1 if one_launch else 2
+  assert text.count("custom_call @mosaic_gpu") == (
+      1 + mosaic_bwd_launches if shape["head_dim"] <= 128 else 1)
 
 
 def test_supported_reasons():
@@ -201,6 +208,8 @@ def test_config_validation():
     mosaic.MosaicConfig(backward_kernel="cudnn")
   with pytest.raises(ValueError, match="dq_block_kv"):
     mosaic.MosaicConfig(dq_block_kv=96)
+  with pytest.raises(ValueError, match="bwd_one_launch"):
+    mosaic.MosaicConfig(bwd_one_launch=1)
   for bad in (32, 40):  # 32 once passed validation and failed inside Mosaic-GPU
     with pytest.raises(ValueError, match="dkv_block_q"):
       mosaic.MosaicConfig(dkv_block_q=bad)
@@ -221,3 +230,29 @@ def test_backward_kernel_choice():
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
   assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(sliding_window=(100, 20)),
+                                dict(seq_k=333, logits_soft_cap=20.0)], ids=str)
+def test_one_launch_backward_equals_two_launches(kw):
+  """The combined dQ + dK/dV launch runs the same arithmetic per CTA, so its
+  gradients equal the two-launch ones bit for bit (and the reference's, within
+  the conformance tolerances, through the suite above)."""
+  kw = dict(kw)
+  sk = kw.pop("seq_k", 512)
+  ks = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(ks[0], (2, 384, 4, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (2, sk, 2, 128), jnp.bfloat16) for kk in ks[1:3])
+  do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+  def grads(one_launch):
+    cfg = mosaic.MosaicConfig(bwd_one_launch=one_launch)
+    f = lambda q, k, v: jnp.sum(mosaic.flash_attention(q, k, v, config=cfg, **kw)
+                                .astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+
+  one, two = grads(True), grads(False)
+  for a, b in zip(one, two):
+    assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
