@@ -67,6 +67,13 @@ def memory_sweep(seqs, dtype):
   return out
 
 
+def shape_list(set_names):
+  """The shapes of the named sets, each once: sets share shapes (standard,
+  head_dim and gqa all hold B2-S8k-H16-D128), and a shape run twice paired each
+  row's ratio with the other run's baseline."""
+  return list({s.name: s for name in set_names for s in shapes_lib.get(name)}.values())
+
+
 def main(argv=None):
   args = _parser().parse_args(argv)
   if args.autotune:
@@ -90,7 +97,7 @@ def main(argv=None):
   for d in directions:
     if d not in timing.DIRECTIONS:
       raise SystemExit(f"unknown direction {d!r}; known: {timing.DIRECTIONS}")
-  shapes = [s for name in shape_sets for s in shapes_lib.get(name)]
+  shapes = shape_list(shape_sets)
   env = report.environment()
   print(f"device: {env['device']} ({backend}), jax {env['jax']}, {env['date']}, "
         f"dtype {dtype.name}, baseline {baseline}", flush=True)

@@ -133,3 +133,10 @@ def test_kernel_profile_summary_groups_kernels_under_their_marker(tmp_path):
   assert "pipe_tensor_op_gmma_cycles_active=61.2" in pallas
   assert "total 4000.5 us" in pallas
   assert "total 3000.0 us" in cudnn and "mark_" not in text.replace("== ", "")
+
+
+def test_overlapping_shape_sets_run_each_shape_once():
+  from flashjax.benchmarks import cli
+  names = [s.name for s in cli.shape_list(["standard", "head_dim", "gqa"])]
+  assert len(names) == len(set(names)) == 12
+  assert names[:6] == [s.name for s in get("standard")]
