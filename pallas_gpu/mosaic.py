@@ -42,9 +42,6 @@ class MosaicConfig:
     persistent: forward with one CTA per SM walking the q tiles (True), one CTA
       per q tile (False), or None: persistent unless the band is causal or a
       window (uneven tiles balance better on the hardware scheduler).
-    softmax_overlap: forward walk with each warpgroup's softmax under its own
-      next q.k^T and previous P.V products (FlashAttention-3's intra-warpgroup
-      overlap) instead of the two warpgroups' ping-pong.
     backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
       <= 128) or "triton" (Pallas-Triton's backward).
     dq_block_kv: dQ keys per pipeline step.
@@ -60,7 +57,6 @@ class MosaicConfig:
   block_kv: int = 128
   stages: int = 2
   persistent: bool | None = None
-  softmax_overlap: bool = False
   backward_kernel: str = "mosaic"
   dq_block_kv: int = 64
   dq_stages: int = 2
@@ -81,9 +77,8 @@ class MosaicConfig:
     if self.backward_kernel not in BACKWARD_KERNELS:
       raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
                        f"{self.backward_kernel!r}")
-    for name in ("bwd_one_launch", "softmax_overlap"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.bwd_one_launch, bool):
+      raise ValueError(f"bwd_one_launch must be a bool, got {self.bwd_one_launch!r}")
     if self.dq_block_kv not in (64, 128):
       raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
     if self.dkv_block_kv != 64:
@@ -142,8 +137,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-      dtype=spec.dtype, persistent_ctas=_num_sms() if persistent else 0,
-      softmax_overlap=config.softmax_overlap)
+      dtype=spec.dtype, persistent_ctas=_num_sms() if persistent else 0)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:

@@ -44,8 +44,6 @@ class Geometry:
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
-  # Forward: FlashAttention-3's intra-warpgroup overlap instead of the ping-pong.
-  softmax_overlap: bool = False
 
   @property
   def group(self) -> int:

@@ -93,88 +93,6 @@ def forward(q, k, v, g: Geometry):
 
       load_q(cta)
 
-      def overlapped_walk(carry, bounds, slot_of, wait_next_k, probs):
-        """The kv walk with each warpgroup's softmax under its own tensor-core
-        work (FlashAttention-3's intra-warpgroup overlap) instead of the
-        ping-pong: step s issues q.k^T of block s and P.V of block s-1 back to
-        back, computes block s's probabilities while both run, then rescales O.
-        The first block runs q.k^T alone, the last P.V after the walk; V of a
-        block is released one step later than in the ping-pong walk."""
-        lo_c, lo, a, bb, hi, hi_c = bounds
-        zeros = lambda shape, dt: plgpu.layout_cast(jnp.full(shape, 0.0, dt),
-                                                    plgpu.Layout.WGMMA)
-        row = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-
-        def skip(s, c):
-          slot = slot_of(s)
-          plgpu.barrier_arrive(k_free.at[slot])
-          wait_next_k(s)
-          plgpu.barrier_wait(v_bar.at[slot])
-          plgpu.barrier_arrive(v_free.at[slot])
-          return c
-
-        def first(s, c):
-          acc, m, l, _ = c
-          slot = slot_of(s)
-
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-            wait_next_k(s)
-            return acc_ref[...]
-
-          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          p, alpha, m_new = probs(s2, m, s, True)
-          return (acc * row(alpha, acc.shape), m_new, l * alpha + p.sum(axis=1),
-                  p.astype(dtype))
-
-        def step(s, c, masked: bool):
-          acc, m, l, p_prev = c
-          slot, pslot = slot_of(s), slot_of(s - 1)
-          plgpu.barrier_wait(v_bar.at[pslot])
-
-          def products(refs):
-            s_ref, o_ref, m_ref, l_ref, p_ref, a_ref = refs
-            plgpu.wgmma(s_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-            plgpu.wgmma(o_ref, p_prev, v_smem.at[pslot])
-            wait_next_k(s)
-            s2 = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-            plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m_new = probs(s2, m, s, masked)
-            m_ref[...] = m_new
-            l_ref[...] = l * alpha + p.sum(axis=1)
-            p_ref[...] = p.astype(dtype)
-            a_ref[...] = alpha
-
-          _, acc, m, l, p16, alpha = pl.run_state(products)(
-              (plgpu.ACC.init(zeros((bq, bk), jnp.float32)), plgpu.ACC.init(acc),
-               m, l, p_prev, m))
-          plgpu.barrier_arrive(v_free.at[pslot])
-          return acc * row(alpha, acc.shape), m, l, p16
-
-        def drain(s, c):
-          acc, m, l, p_prev = c
-          slot = slot_of(s)
-          plgpu.barrier_wait(v_bar.at[slot])
-
-          def pv_product(acc_ref):
-            plgpu.wgmma(acc_ref, p_prev, v_smem.at[slot])
-
-          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m, l, p_prev
-
-        nxt = lo + 1
-        c = (*carry, zeros((bq, bk), dtype))
-        lax.fori_loop(lo_c, lo, skip, None)
-        c = lax.fori_loop(lo, jnp.minimum(nxt, hi), first, c)
-        c = lax.fori_loop(nxt, a, lambda s, c: step(s, c, True), c)
-        c = lax.fori_loop(jnp.maximum(a, nxt), bb, lambda s, c: step(s, c, False), c)
-        c = lax.fori_loop(jnp.maximum(bb, nxt), hi, lambda s, c: step(s, c, True), c)
-        c = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, drain, c)
-        lax.fori_loop(hi, hi_c, skip, None)
-        return c[:3]
-
       def tile_body(it, base):
         t = cta + it * ctas
         b_idx, h, tile, r0 = rows_of(t)
@@ -192,8 +110,7 @@ def forward(q, k, v, g: Geometry):
                                 plgpu.Layout.WGMMA)
 
         pl.when(lo_c < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(lo_c)]))
-        if not g.softmax_overlap:
-          pl.when(wg == 1)(rendezvous)
+        pl.when(wg == 1)(rendezvous)
 
         def wait_next_k(s):
           # Invariant: when step s starts, K of step s has been waited for. The
@@ -201,9 +118,17 @@ def forward(q, k, v, g: Geometry):
           nxt = s + 1
           pl.when(nxt < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
 
-        def probs(s2, m, s, masked: bool):
-          """exp2 probabilities of raw scores ``s2`` of kv block ``s`` against the
-          running max ``m``: ``(p, alpha, m_new)``."""
+        def step(s, carry, masked: bool):
+          acc, m, l = carry
+          slot = slot_of(s)
+
+          def qk_product(acc_ref):
+            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
+            rendezvous()
+            return acc_ref[...]
+
+          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
           if g.soft_cap is not None:
             cap = g.soft_cap
             s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
@@ -225,20 +150,6 @@ def forward(q, k, v, g: Geometry):
           shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m - shift)
           p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
-          return p, alpha, m_new
-
-        def step(s, carry, masked: bool):
-          acc, m, l = carry
-          slot = slot_of(s)
-
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-            rendezvous()
-            return acc_ref[...]
-
-          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          p, alpha, m_new = probs(s2, m, s, masked)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l = l * alpha + p.sum(axis=1)
           p16 = p.astype(dtype)
@@ -265,20 +176,16 @@ def forward(q, k, v, g: Geometry):
           plgpu.barrier_arrive(v_free.at[slot])
           return carry
 
-        if g.softmax_overlap:
-          acc, m, l = overlapped_walk(
-              (acc, m, l), (lo_c, lo, a, bb, hi, hi_c), slot_of, wait_next_k, probs)
-        else:
-          masked = lambda s, c: step(s, c, True)
-          plain = lambda s, c: step(s, c, False)
-          carry = (acc, m, l)
-          lax.fori_loop(lo_c, lo, skip, None)
-          carry = lax.fori_loop(lo, a, masked, carry)
-          carry = lax.fori_loop(a, bb, plain, carry)
-          carry = lax.fori_loop(bb, hi, masked, carry)
-          lax.fori_loop(hi, hi_c, skip, None)
-          acc, m, l = carry
-          pl.when(wg == 0)(rendezvous)
+        masked = lambda s, c: step(s, c, True)
+        plain = lambda s, c: step(s, c, False)
+        carry = (acc, m, l)
+        lax.fori_loop(lo_c, lo, skip, None)
+        carry = lax.fori_loop(lo, a, masked, carry)
+        carry = lax.fori_loop(a, bb, plain, carry)
+        carry = lax.fori_loop(bb, hi, masked, carry)
+        lax.fori_loop(hi, hi_c, skip, None)
+        acc, m, l = carry
+        pl.when(wg == 0)(rendezvous)
 
         has_next = it + 1 < n_local
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue

@@ -134,10 +134,6 @@ VARIANTS = [
     # The backward's dQ and dK/dV kernels as one launch (default) or two.
     dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
                                                   heads_kv=2, bwd_one_launch=False),
-    # The forward walk with the intra-warpgroup overlap instead of the ping-pong.
-    dict(softmax_overlap=True), dict(causal=True, softmax_overlap=True),
-    dict(head_dim=64, seq_q=300, seq_k=700, sliding_window=(100, 20),
-         logits_soft_cap=20.0, softmax_overlap=True),
 ]
 
 
@@ -151,7 +147,6 @@ def test_every_variant_lowers_for_cuda(variant):
   sinks = kw.pop("sinks", False)
   persistent = kw.pop("persistent", None)
   one_launch = kw.pop("bwd_one_launch", True)
-  overlap = kw.pop("softmax_overlap", False)
   sd = jax.ShapeDtypeStruct
   q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
   k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
@@ -160,8 +155,7 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     assert mosaic.supported(spec) is None
-    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent,
-                                 softmax_overlap=overlap)
+    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent)
     static = mosaic._Static(config, None)
     return mosaic.forward(ops, spec, static)
 
@@ -262,29 +256,3 @@ def test_one_launch_backward_equals_two_launches(kw):
   for a, b in zip(one, two):
     assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
-@pytest.mark.parametrize("kw", [
-    dict(), dict(causal=True), dict(seq_q=700, seq_k=300, causal=True),
-    dict(seq_k=1000, sliding_window=(100, 20), logits_soft_cap=20.0),
-    dict(head_dim=64, heads_kv=1, return_lse=True), dict(head_dim=256, causal=True),
-    dict(seq_q=2048, seq_k=2048, persistent=True), dict(dtype=jnp.float16, causal=True),
-], ids=str)
-def test_softmax_overlap_forward_matches_reference(kw):
-  """The intra-warpgroup-overlap walk (first block alone, last P.V after the walk,
-  masked and plain phases, skip steps of a band) against the fp32 reference."""
-  from flashjax.common import reference, tolerances
-  kw = dict(kw)
-  sq, sk, d = kw.pop("seq_q", 384), kw.pop("seq_k", 512), kw.pop("head_dim", 128)
-  hkv, dtype = kw.pop("heads_kv", 2), kw.pop("dtype", jnp.bfloat16)
-  cfg = mosaic.MosaicConfig(softmax_overlap=True, persistent=kw.pop("persistent", None),
-                            **({} if d <= 128 else dict(block_kv=64)))
-  ks = jax.random.split(jax.random.key(5), 3)
-  q = jax.random.normal(ks[0], (2, sq, 4, d), dtype)
-  k, v = (jax.random.normal(kk, (2, sk, hkv, d), dtype) for kk in ks[1:])
-  got = jax.jit(lambda q, k, v: mosaic.flash_attention(q, k, v, config=cfg, **kw))(q, k, v)
-  ref = reference.attention(q, k, v, precision="float32", **kw)
-  got, ref = (got, ref) if kw.get("return_lse") else ((got,), (ref,))
-  for name, a, b in zip(("out", "lse"), got, ref):
-    tolerances.assert_close(a, b, tolerances.forward(jnp.dtype(dtype).name), name=name)
