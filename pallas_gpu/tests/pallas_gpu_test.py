@@ -278,3 +278,44 @@ def test_d128_forward_tiles_follow_the_key_length():
   assert (long.block_q, long.block_kv, long.num_warps, long.num_stages) == (
       128, 128, 8, 3)
   assert short in autotune.FWD_CANDIDATES and long in autotune.FWD_CANDIDATES
+
+
+# Wide heads take 64x64 backward tiles over 8 warps (half the accumulator
+# registers per thread of 4 warps); fp32 halves the streamed rows to fit.
+WIDE_CASES = {
+    "d256-bf16-causal": conformance.Case(batch=2, seq_q=300, seq_k=333, head_dim=256,
+                                         causal=True, dtype="bfloat16"),
+    "d256-fp32-features": conformance.Case(seq_q=200, seq_k=260, head_dim=256,
+                                           dtype="float32", bias_shape=(1, -1, -1, -1),
+                                           sinks=1, segment_ids="padded"),
+    "d192-fp16-window-dropout": conformance.Case(seq_q=260, seq_k=190, head_dim=192,
+                                                 dtype="float16",
+                                                 sliding_window=(40, 5),
+                                                 dropout_rate=0.1),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.parametrize("name", sorted(WIDE_CASES))
+def test_wide_head_backward_tiles_on_gpu(name):
+  TestPallasTritonGpu().check(WIDE_CASES[name])
+
+
+def test_wide_head_backward_tiles():
+  import jax
+  def wide(dtype, **kw):
+    return pallas_triton.default_config(spec.abstract_spec(
+        batch=2, seq_q=8192, seq_k=8192, heads_q=8, head_dim=256, dtype=dtype, **kw))
+  bias = dict(bias=jax.ShapeDtypeStruct((2, 8, 8192, 8192), "float32"))
+  bf16, fp32, fp32_bias, bf16_bias = (wide("bfloat16"), wide("float32"),
+                                      wide("float32", **bias), wide("bfloat16", **bias))
+  assert bf16.dq == bf16.dkv == pallas_triton.WIDE_BWD
+  # fp32 (with or without a bias): the streamed side halved to fit shared memory.
+  for cfg in (fp32, fp32_bias):
+    assert (cfg.dq.block_q, cfg.dq.block_kv, cfg.dq.num_warps) == (64, 32, 8)
+    assert (cfg.dkv.block_q, cfg.dkv.block_kv, cfg.dkv.num_warps) == (32, 64, 8)
+  # Not run on a GPU with a 2-byte bias beside 64 wide rows: the small tiles stay.
+  assert (bf16_bias.dkv.block_q, bf16_bias.dkv.num_warps) == (32, 4)
+  assert not pallas_triton.wide_backward_tiles(spec.abstract_spec(
+      batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=256, dtype="float16",
+      segment_ids=(jax.ShapeDtypeStruct((1, 64), "int32"),) * 2))
