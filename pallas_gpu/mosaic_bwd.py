@@ -22,6 +22,9 @@ for the slot's data and release it so barrier phases stay in step.
 
 dK and dV come out per query head; for grouped heads XLA sums each group.
 
+By default both kernels run as one launch (:func:`dq_dkv`): every dK/dV CTA, then
+every dQ CTA, so the two grids share one tail.
+
 dQ kernel: the forward's layout (two compute warpgroups of ``block_q`` rows, a
 memory warpgroup streaming K and V blocks), with S = Q K^T, P = exp2(S * scale *
 log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block.
@@ -185,9 +188,9 @@ def _dkv_program(g: Geometry, dtype):
   return (smem, bars, free), kernel
 
 
-def _launch(entry, out_type, grid, tile_axis):
+def _launch(entry, out_type, grid, grid_names):
   return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=(tile_axis, "h", "b"),
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True))
 
@@ -204,7 +207,8 @@ def dkv(q, k, v, do, stats, g: Geometry):
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
-                 (g.num_kv_tiles, g.heads_q, g.batch), "kt")(q, k, v, do, stats)
+                 (g.num_kv_tiles, g.heads_q, g.batch), ("kt", "h", "b"))(
+                     q, k, v, do, stats)
 
 
 def _dq_program(g: Geometry, dtype):
@@ -320,11 +324,13 @@ def dq(q, k, v, do, stats, g: Geometry):
   scoped, kernel = _dq_program(g, q.dtype)
 
   def entry(*refs):
-    where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"), lax.axis_index("b"))
+    where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
+             lax.axis_index("b"))
     pl.run_scoped(lambda *sc: kernel(*refs, where, *sc), *scoped, collective_axes="wg")
 
   return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 (g.num_q_tiles, g.heads_q, g.batch), "qt")(q, k, v, do, stats)
+                 (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
+                     q, k, v, do, stats)
 
 
 def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
@@ -363,7 +369,5 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype))
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=(first_dq + n_q * heads * g_dq.batch,),
-      grid_names=("t",), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(q, k, v, do, stats)
+  return _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
+      q, k, v, do, stats)
