@@ -4,12 +4,13 @@ Run under ``ncu --profile-from-start off --csv --page details ...``::
 
   python -m flashjax.benchmarks.kernel_profile run IMPLS SHAPES [--causal 0,1]
 
-Each (implementation, shape, causal) is compiled and warmed up outside the
-profiled range; inside it one forward and one backward (the vjp alone) run, each
-after an empty marker kernel named ``mark_<impl>_<shape>_<c|n>_<fwd|bwd>``, so the
-report can be split per call. ``summarize CSV`` turns ncu's CSV into one table
-row per kernel: duration, the sections' headline numbers and the tensor-pipe
-metrics that were collected.
+SHAPES are name prefixes in the ``standard`` set (``B2-S8k`` takes its causal
+and non-causal rows). Each (implementation, shape) is compiled and warmed up
+outside the profiled range; inside it one forward and one backward (the vjp
+alone; forward only for FORWARD_ONLY) run, each after an empty marker kernel
+named ``mark_<impl>_<shape>_<fwd|bwd>``, so the report can be split per call.
+``summarize CSV`` turns ncu's CSV into one table row per kernel: duration, the
+sections' headline numbers and the tensor-pipe metrics that were collected.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import re
 import sys
 
 _MARK = re.compile(r"mark_(\w+?)_(fwd|bwd)\b")
+# The Triton-based rows are there for the forward against JAX's example; their
+# backwards are 3x the example's and would only lengthen the profile.
+FORWARD_ONLY = ("pallas-triton", "jax-pallas-triton", "triton")
 
 
 def _profiler():
@@ -64,7 +68,7 @@ def run(impl_names, shape_names, causal_flags):
       causal = shp.causal
       fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
       calls = [("fwd", fwd, (q, k, v))]
-      if name not in ("pallas-triton", "jax-pallas-triton", "triton"):
+      if name not in FORWARD_ONLY:
         _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
         bwd = jax.jit(lambda vjp, do: vjp(do))
         calls.append(("bwd", bwd, (vjp, do)))
