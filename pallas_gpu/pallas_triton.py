@@ -72,14 +72,10 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
                        dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                         num_stages=2))
   else:
+    bwd = WIDE_BWD if wide_backward_tiles(spec) else KernelConfig(
+        block_q=32, block_kv=32, num_warps=4, num_stages=1)
     cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
-                                        num_stages=2),
-                       dq=KernelConfig(block_q=32, block_kv=32, num_warps=4,
-                                       num_stages=1),
-                       dkv=KernelConfig(block_q=32, block_kv=32, num_warps=4,
-                                        num_stages=1))
-    if wide_backward_tiles(spec):
-      cfg = dataclasses.replace(cfg, dq=WIDE_BWD, dkv=WIDE_BWD)
+                                        num_stages=2), dq=bwd, dkv=bwd)
   return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec)
 
 
