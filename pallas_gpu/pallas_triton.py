@@ -34,18 +34,10 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 # accumulators of a 256-wide head take half the registers per thread of 4 warps):
 # 1.61-1.64x / 1.43-1.47x (causal) the 32x32 4-warp 1-stage tiles at B2 S8k H8 D256 (H200,
 # 2026-11-22, benchmarks/NOTES.md session 8); 3 stages or 128-wide tiles do not
-# fit shared memory.
+# fit shared memory. Also with a full fp32 bias at bf16 (1.44x at B1 S4k H8; GPU
+# tests with a bias, mask or segment ids at 2 bytes: session 9); where a bias or
+# mask tile would overflow, fit_to_shared_memory halves the streamed side.
 WIDE_BWD = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
-
-
-def wide_backward_tiles(spec) -> bool:
-  """Whether the wide-head backward takes WIDE_BWD. Run on the H200: bf16 and fp16
-  without bias, mask or segment ids, and fp32 with them (its rows are halved to
-  fit). A 2-byte bias, mask or segment-id tile beside 64 streamed 256-wide rows was
-  not run there, so those keep the small tiles."""
-  extra = spec.bias_shape is not None or spec.mask_shape is not None or (
-      spec.has_segment_ids)
-  return spec.dtype == "float32" or not extra
 
 
 def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
@@ -72,10 +64,8 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
                        dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                         num_stages=2))
   else:
-    bwd = WIDE_BWD if wide_backward_tiles(spec) else KernelConfig(
-        block_q=32, block_kv=32, num_warps=4, num_stages=1)
     cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
-                                        num_stages=2), dq=bwd, dkv=bwd)
+                                        num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
   return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec)
 
 

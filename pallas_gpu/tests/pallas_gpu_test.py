@@ -292,6 +292,14 @@ WIDE_CASES = {
                                                  dtype="float16",
                                                  sliding_window=(40, 5),
                                                  dropout_rate=0.1),
+    # 2-byte inputs with a full bias, a mask or segment ids beside the wide rows.
+    "d256-bf16-bias-segments": conformance.Case(batch=2, seq_q=300, seq_k=333,
+                                                head_dim=256, dtype="bfloat16",
+                                                bias_shape=(-1, -1, -1, -1),
+                                                segment_ids="packed"),
+    "d256-fp16-mask-causal": conformance.Case(seq_q=260, seq_k=260, head_dim=256,
+                                              dtype="float16", causal=True,
+                                              mask_shape=(1, -1, -1, -1)),
 }
 
 
@@ -314,8 +322,6 @@ def test_wide_head_backward_tiles():
   for cfg in (fp32, fp32_bias):
     assert (cfg.dq.block_q, cfg.dq.block_kv, cfg.dq.num_warps) == (64, 32, 8)
     assert (cfg.dkv.block_q, cfg.dkv.block_kv, cfg.dkv.num_warps) == (32, 64, 8)
-  # Not run on a GPU with a 2-byte bias beside 64 wide rows: the small tiles stay.
-  assert (bf16_bias.dkv.block_q, bf16_bias.dkv.num_warps) == (32, 4)
-  assert not pallas_triton.wide_backward_tiles(spec.abstract_spec(
-      batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=256, dtype="float16",
-      segment_ids=(jax.ShapeDtypeStruct((1, 64), "int32"),) * 2))
+  # A 2-byte input with a full fp32 bias: 64 streamed rows of 2 x 256 x 2 + 64 x 4
+  # bytes fit twice, so the wide tiles stay whole.
+  assert bf16_bias.dq == bf16_bias.dkv == pallas_triton.WIDE_BWD
