@@ -21,18 +21,28 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size
   acc_dt = lay.acc_dtype
 
+  kt = blocks.keys_transposed(prep)
+  # Raw products: m is kept unscaled and the scale applied inside exp.
+  raw = blocks.raw_logits(prep, lay)
+  mult = spec.softmax_scale if raw else 1.0
+
   def step(lay_q, i, j, carry, positional):
     m, l, acc = carry
     q_blk = blocks.slice_q(prep.q, lay_q, i)
-    s, _ = blocks.logits(prep, lay_q, q_blk, blocks.slice_kv(prep.k, lay, j), i, j)
+    kt_blk = blocks.slice_kv(kt, lay, j, axis=3)
+    if raw:
+      s = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, kt_blk, precision=lay.precision,
+                     preferred_element_type=acc_dt)
+    else:
+      s, _ = blocks.logits(prep, lay_q, q_blk, kt_blk, i, j)
     ok = blocks.allowed(prep, lay_q, i, j, positional)
     if ok is not None:
       s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     # A row with nothing allowed so far keeps m = -inf; shift by 0 instead.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s * mult - (m_safe * mult)[..., None])
+    alpha = jnp.exp((m - m_safe) * mult)
     l = l * alpha + p.sum(-1)
     if spec.dropout_rate > 0:
       p = jnp.where(blocks.dropout_keep(prep, lay_q, i, j), p, 0.0)
@@ -53,7 +63,7 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
             jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt))
     m, l, acc = blocks.loop_blocks(step, prep, lay, seg, i, init, over_kv=True,
                                    halves=(take, put))
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse = jnp.where(l > 0, m * mult + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if spec.dropout_rate > 0:
       out = out * (1.0 / (1.0 - spec.dropout_rate))
