@@ -140,3 +140,30 @@ def test_overlapping_shape_sets_run_each_shape_once():
   names = [s.name for s in cli.shape_list(["standard", "head_dim", "gqa"])]
   assert len(names) == len(set(names)) == 12
   assert names[:6] == [s.name for s in get("standard")]
+
+
+def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
+  import gzip
+  import json
+  from flashjax.benchmarks import launch_gaps
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 1, "name": "host_op", "ts": 0, "dur": 500},
+      # Two calls: kernel a then b; b overlaps a's tail on another stream.
+      {"ph": "X", "pid": 7, "name": "a", "ts": 100, "dur": 50},
+      {"ph": "X", "pid": 7, "name": "b", "ts": 140, "dur": 20},
+      {"ph": "X", "pid": 7, "name": "a", "ts": 200, "dur": 50},
+      {"ph": "X", "pid": 7, "name": "b", "ts": 260, "dur": 40},
+  ]
+  sub = tmp_path / "plugins" / "profile" / "run"
+  sub.mkdir(parents=True)
+  with gzip.open(sub / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  got = launch_gaps.device_events(str(tmp_path))
+  assert [e[0] for e in got] == ["a", "b", "a", "b"]
+  span, busy, idle, kernels = launch_gaps.summarize(got, n=2)
+  # Span 100..300 = 200 us; busy = [100, 160] + [200, 250] + [260, 300] = 150 us.
+  assert (span, busy, idle) == (100.0, 75.0, 25.0)
+  assert kernels == {"a": 50.0, "b": 30.0}
+  assert launch_gaps.summarize([], n=1) is None
