@@ -113,14 +113,15 @@ def main(argv=None):
                                      time.strftime("%Y%m%d-%H%M%S"))
   os.makedirs(out_dir, exist_ok=True)
   rows, t0 = [], time.time()
-  work = [(n, s) for s in shapes for n in built]
-  for i, (n, s) in enumerate(work):
-    _progress(i, len(work), f"{n} {s.name}", t0)
-    rows.extend(timing.run_row(n, built[n], s, dtype, directions, iters=iters,
-                               repeats=repeats))
+  # Per shape, every implementation is timed in interleaved rounds
+  # (timing.run_shape), so a shape's ratios share one stretch of device time.
+  for i, s in enumerate(shapes):
+    _progress(i, len(shapes), s.name, t0)
+    rows.extend(timing.run_shape(built, s, dtype, directions, iters=iters,
+                                 repeats=repeats))
     # Partial results survive a run that is cut short.
     report.write_csv(rows, os.path.join(out_dir, "results.partial.csv"))
-  _progress(len(work), len(work), "done", t0)
+  _progress(len(shapes), len(shapes), "done", t0)
   sys.stderr.write("\n")
   report.set_ratios(rows, baseline)
   sweep = []

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax.common import flops, reference, tolerances
-from flashjax.common.timer import time_ms
+from flashjax.common.timer import time_interleaved_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
@@ -103,30 +103,50 @@ def shape_flops(shape: Shape, direction: str) -> int:
 
 def run_row(name, fn, shape: Shape, dtype, directions, *, iters, repeats):
   """Rows for every direction of one (implementation, shape)."""
-  base = dict(impl=name, shape=shape.name, seq=shape.seq_q, causal=shape.causal)
-  status = check(fn, shape, dtype)
-  if status != "ok":
-    return [Row(**base, direction=d, status=status) for d in directions]
+  return run_shape({name: fn}, shape, dtype, directions, iters=iters, repeats=repeats)
+
+
+def _error(e) -> str:
+  return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
+  """Rows for every (implementation, direction) of one shape, implementations in
+  ``fns`` order. All of them are timed in interleaved rounds
+  (``timer.time_interleaved_ms``), so their ratios come from the same stretch of
+  time; ``bwd`` is forward+backward minus forward."""
   q, k, v, do = random_inputs(shape, dtype)
-  fwd, fwd_bwd = functions(fn, shape.causal)
-  rows, times = [], {}
-  try:
+  status, compiled, calls = {}, {}, {}
+  for name, fn in fns.items():
+    status[name] = check(fn, shape, dtype)
+    if status[name] != "ok":
+      continue
+    fwd, fwd_bwd = functions(fn, shape.causal)
+    compiled[name] = fwd, fwd_bwd
     if {"fwd", "bwd"} & set(directions):
-      times["fwd"] = time_ms(fwd, (q, k, v), iters=iters, repeats=repeats)
+      calls[(name, "fwd")] = (fwd, (q, k, v))
     if {"bwd", "fwd_bwd"} & set(directions):
-      times["fwd_bwd"] = time_ms(fwd_bwd, (q, k, v, do), iters=iters, repeats=repeats)
+      calls[(name, "fwd_bwd")] = (fwd_bwd, (q, k, v, do))
+  times = time_interleaved_ms(calls, iters=iters, repeats=repeats) if calls else {}
+  rows = []
+  for name in fns:
+    base = dict(impl=name, shape=shape.name, seq=shape.seq_q, causal=shape.causal)
+    mine = {d: t for (n, d), t in times.items() if n == name}
+    failed = next((t for t in mine.values() if isinstance(t, Exception)), None)
+    if status[name] != "ok" or failed is not None:
+      msg = status[name] if status[name] != "ok" else _error(failed)
+      rows.extend(Row(**base, direction=d, status=msg) for d in directions)
+      continue
     if "bwd" in directions:
-      times["bwd"] = times["fwd_bwd"] - times["fwd"]
-  except Exception as e:
-    msg = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    return [Row(**base, direction=d, status=msg) for d in directions]
-  mem = {"fwd": compiled_mib(fwd, (q, k, v)),
-         "fwd_bwd": compiled_mib(fwd_bwd, (q, k, v, do))}
-  mem["bwd"] = mem["fwd_bwd"]
-  peak = allocator_peak_mib()
-  for d in directions:
-    ms = times[d]
-    rows.append(Row(**base, direction=d, ms=ms,
-                    tflops=shape_flops(shape, d) / (ms * 1e-3) / 1e12 if ms > 0 else None,
-                    compiled_mib=mem[d], alloc_peak_mib=peak))
+      mine["bwd"] = mine["fwd_bwd"] - mine["fwd"]
+    fwd, fwd_bwd = compiled[name]
+    mem = {"fwd": compiled_mib(fwd, (q, k, v)),
+           "fwd_bwd": compiled_mib(fwd_bwd, (q, k, v, do))}
+    mem["bwd"] = mem["fwd_bwd"]
+    peak = allocator_peak_mib()
+    for d in directions:
+      ms = mine[d]
+      rows.append(Row(**base, direction=d, ms=ms,
+                      tflops=shape_flops(shape, d) / (ms * 1e-3) / 1e12 if ms > 0 else None,
+                      compiled_mib=mem[d], alloc_peak_mib=peak))
   return rows

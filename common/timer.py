@@ -20,3 +20,32 @@ def time_ms(f, args, *, iters: int, repeats: int) -> float:
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - t0) * 1e3 / iters)
   return statistics.median(samples)
+
+
+def time_interleaved_ms(calls: dict, *, iters: int, repeats: int) -> dict:
+  """``{name: ms}`` for ``calls = {name: (f, args)}``, sampled in rounds: each
+  round times ``iters`` back-to-back calls of every entry once, starting one entry
+  later than the round before, and each entry's median over the rounds is
+  returned. Timing them one after the other lets the device's clock and thermal
+  state drift between entries (ratios of one kernel against another moved by
+  +-5% from run to run on an H200); interleaved, the drift hits every entry alike.
+  An entry that raises is reported as its exception instead of a time."""
+  names = list(calls)
+  out, samples = {}, {n: [] for n in names}
+  for n in names:  # warm-up, compilation
+    f, args = calls[n]
+    try:
+      jax.block_until_ready(f(*args))
+    except Exception as e:  # noqa: BLE001 - reported per entry
+      out[n] = e
+  live = [n for n in names if n not in out]
+  for r in range(repeats):
+    for n in live[r % len(live):] + live[:r % len(live)] if live else []:
+      f, args = calls[n]
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        res = f(*args)
+      jax.block_until_ready(res)
+      samples[n].append((time.perf_counter() - t0) * 1e3 / iters)
+  out.update({n: statistics.median(samples[n]) for n in live})
+  return out

@@ -167,3 +167,40 @@ def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
   assert (span, busy, idle) == (100.0, 75.0, 25.0)
   assert kernels == {"a": 50.0, "b": 30.0}
   assert launch_gaps.summarize([], n=1) is None
+
+
+def test_interleaved_timing_rotates_rounds_and_reports_failures(monkeypatch):
+  from flashjax.common import timer
+  order = []
+
+  def entry(name):
+    def f():
+      order.append(name)
+      return jnp.zeros(())
+    return f
+
+  def fails():
+    raise ValueError("cannot run")
+  clock = iter(float(t) for t in range(1000))
+  monkeypatch.setattr(timer.time, "perf_counter", lambda: next(clock))
+  got = timer.time_interleaved_ms({"a": (entry("a"), ()), "b": (entry("b"), ()),
+                                   "bad": (fails, ())}, iters=1, repeats=3)
+  # Warm-up a, b; then rounds a b | b a | a b.
+  assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+  assert isinstance(got["bad"], ValueError)
+  # Each sample spans one tick of the fake clock: 1000 ms per call.
+  assert got["a"] == got["b"] == 1000.0
+
+
+def test_run_shape_times_every_implementation_and_keeps_their_order():
+  xla = impls.IMPLS["xla"].build()
+
+  def broken(q, k, v, causal):
+    raise RuntimeError("no kernel here")
+  rows = timing.run_shape({"x1": xla, "broken": broken, "x2": xla}, SMALL,
+                          jnp.float32, ["fwd", "bwd"], iters=1, repeats=2)
+  assert [(r.impl, r.direction) for r in rows] == [
+      ("x1", "fwd"), ("x1", "bwd"), ("broken", "fwd"), ("broken", "bwd"),
+      ("x2", "fwd"), ("x2", "bwd")]
+  assert all(r.ms > 0 and r.status == "ok" for r in rows if r.impl != "broken")
+  assert all("no kernel here" in r.status for r in rows if r.impl == "broken")
