@@ -112,9 +112,9 @@ def _error(e) -> str:
 
 def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   """Rows for every (implementation, direction) of one shape, implementations in
-  ``fns`` order. All of them are timed in interleaved rounds
-  (``timer.time_interleaved_ms``), so their ratios come from the same stretch of
-  time; ``bwd`` is forward+backward minus forward."""
+  ``fns`` order. The implementations' forwards are timed in interleaved rounds
+  (``timer.time_interleaved_ms``), then their forward+backwards, so their ratios
+  come from the same stretch of time; ``bwd`` is forward+backward minus forward."""
   q, k, v, do = random_inputs(shape, dtype)
   status, compiled, calls = {}, {}, {}
   for name, fn in fns.items():
@@ -127,7 +127,12 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
       calls[(name, "fwd")] = (fwd, (q, k, v))
     if {"bwd", "fwd_bwd"} & set(directions):
       calls[(name, "fwd_bwd")] = (fwd_bwd, (q, k, v, do))
-  times = time_interleaved_ms(calls, iters=iters, repeats=repeats) if calls else {}
+  # Forwards are interleaved with forwards and backwards with backwards.
+  times = {}
+  for direction in ("fwd", "fwd_bwd"):
+    group = {key: c for key, c in calls.items() if key[1] == direction}
+    if group:
+      times.update(time_interleaved_ms(group, iters=iters, repeats=repeats))
   rows = []
   for name in fns:
     base = dict(impl=name, shape=shape.name, seq=shape.seq_q, causal=shape.causal)

@@ -22,14 +22,17 @@ def time_ms(f, args, *, iters: int, repeats: int) -> float:
   return statistics.median(samples)
 
 
-def time_interleaved_ms(calls: dict, *, iters: int, repeats: int) -> dict:
+def time_interleaved_ms(calls: dict, *, iters: int, repeats: int,
+                        settle_ms: float = 100.0) -> dict:
   """``{name: ms}`` for ``calls = {name: (f, args)}``, sampled in rounds: each
   round times ``iters`` back-to-back calls of every entry once, starting one entry
   later than the round before, and each entry's median over the rounds is
-  returned. Timing them one after the other lets the device's clock and thermal
-  state drift between entries (ratios of one kernel against another moved by
-  +-5% from run to run on an H200); interleaved, the drift hits every entry alike.
-  An entry that raises is reported as its exception instead of a time."""
+  returned. Before each sample the entry runs untimed for ``settle_ms`` (at least
+  one call), so the sample sees the device in the steady state of its own load
+  and not in the one the previous entry left: on an H200 a 50 ms sample taken
+  right after another kernel's sustained load read 3% off either way. The
+  rounds spread slower drift (clocks, temperature) over every entry alike. An
+  entry that raises is reported as its exception instead of a time."""
   names = list(calls)
   out, samples = {}, {n: [] for n in names}
   for n in names:  # warm-up, compilation
@@ -42,6 +45,11 @@ def time_interleaved_ms(calls: dict, *, iters: int, repeats: int) -> dict:
   for r in range(repeats):
     for n in live[r % len(live):] + live[:r % len(live)] if live else []:
       f, args = calls[n]
+      t0 = time.perf_counter()
+      while True:
+        jax.block_until_ready(f(*args))
+        if (time.perf_counter() - t0) * 1e3 >= settle_ms:
+          break
       t0 = time.perf_counter()
       for _ in range(iters):
         res = f(*args)

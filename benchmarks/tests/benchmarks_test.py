@@ -185,10 +185,11 @@ def test_interleaved_timing_rotates_rounds_and_reports_failures(monkeypatch):
   monkeypatch.setattr(timer.time, "perf_counter", lambda: next(clock))
   got = timer.time_interleaved_ms({"a": (entry("a"), ()), "b": (entry("b"), ()),
                                    "bad": (fails, ())}, iters=1, repeats=3)
-  # Warm-up a, b; then rounds a b | b a | a b.
-  assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+  # Warm-up a, b; then rounds a b | b a | a b, each sample after one settling
+  # call (one tick of the fake clock is 1000 ms, past settle_ms).
+  assert order == ["a", "b"] + [x for x in "abbaab" for _ in range(2)]
   assert isinstance(got["bad"], ValueError)
-  # Each sample spans one tick of the fake clock: 1000 ms per call.
+  # Each sample spans one tick: 1000 ms per call.
   assert got["a"] == got["b"] == 1000.0
 
 
