@@ -203,5 +203,8 @@ def test_run_shape_times_every_implementation_and_keeps_their_order():
   assert [(r.impl, r.direction) for r in rows] == [
       ("x1", "fwd"), ("x1", "bwd"), ("broken", "fwd"), ("broken", "bwd"),
       ("x2", "fwd"), ("x2", "bwd")]
-  assert all(r.ms > 0 and r.status == "ok" for r in rows if r.impl != "broken")
+  timed = [r for r in rows if r.impl != "broken"]
+  assert all(r.status == "ok" and r.ms is not None for r in timed)
+  # bwd is a difference of two timings and may come out <= 0 on a tiny shape.
+  assert all(r.ms > 0 for r in timed if r.direction == "fwd")
   assert all("no kernel here" in r.status for r in rows if r.impl == "broken")
