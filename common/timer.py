@@ -12,14 +12,16 @@ def time_ms(f, args, *, iters: int, repeats: int) -> float:
   """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in
   ms; the first call (compilation, warm-up) is excluded."""
   jax.block_until_ready(f(*args))
-  samples = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = f(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) * 1e3 / iters)
-  return statistics.median(samples)
+  return statistics.median(_sample_ms(f, args, iters) for _ in range(repeats))
+
+
+def _sample_ms(f, args, iters: int) -> float:
+  """Mean time of ``iters`` back-to-back calls, in ms."""
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def time_interleaved_ms(calls: dict, *, iters: int, repeats: int,
@@ -50,10 +52,6 @@ def time_interleaved_ms(calls: dict, *, iters: int, repeats: int,
         jax.block_until_ready(f(*args))
         if (time.perf_counter() - t0) * 1e3 >= settle_ms:
           break
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        res = f(*args)
-      jax.block_until_ready(res)
-      samples[n].append((time.perf_counter() - t0) * 1e3 / iters)
+      samples[n].append(_sample_ms(f, args, iters))
   out.update({n: statistics.median(samples[n]) for n in live})
   return out

@@ -233,15 +233,6 @@ def slice_grouped(x, lay: Layout, i, j):
   return x
 
 
-def logits(prep: Prepared, lay: Layout, q_blk, k_blk, i, j):
-  """Scaled, biased, soft-capped ``[B, Hkv, G, bq, bk]``; also ``tanh`` of the
-  capped logits (for the backward's chain rule) or None. ``k_blk`` is
-  ``[B, Hkv, D, bk]`` (keys transposed, see ``keys_transposed``)."""
-  s = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, k_blk, precision=lay.precision,
-                 preferred_element_type=lay.acc_dtype)
-  return finish_logits(s, prep, lay, i, j)
-
-
 def keys_transposed(prep: Prepared):
   """K as ``[B, Hkv, D, Skp]``: the q.k^T products then read their right operand
   in the layout XLA CPU's dot wants; sliced from ``[.., Skp, D]`` each step it was
@@ -257,7 +248,8 @@ def raw_logits(prep: Prepared, lay: Layout) -> bool:
 
 def finish_logits(s, prep: Prepared, lay: Layout, i, j, transposed: bool = False):
   """Scale, bias and soft cap of unscaled products ``s`` of block (i, j), in
-  ``[.., G, q, kv]`` order or (``transposed``) ``[.., kv, G, q]``."""
+  ``[.., G, q, kv]`` order or (``transposed``) ``[.., kv, G, q]``; also ``tanh`` of
+  the capped logits (for the backward's chain rule) or None."""
   s = s * lay.spec.softmax_scale
   if prep.bias is not None:
     bias = slice_grouped(prep.bias, lay, i, j)

@@ -30,11 +30,10 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
     m, l, acc = carry
     q_blk = blocks.slice_q(prep.q, lay_q, i)
     kt_blk = blocks.slice_kv(kt, lay, j, axis=3)
-    if raw:
-      s = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, kt_blk, precision=lay.precision,
-                     preferred_element_type=acc_dt)
-    else:
-      s, _ = blocks.logits(prep, lay_q, q_blk, kt_blk, i, j)
+    s = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, kt_blk, precision=lay.precision,
+                   preferred_element_type=acc_dt)
+    if not raw:
+      s, _ = blocks.finish_logits(s, prep, lay_q, i, j)
     ok = blocks.allowed(prep, lay_q, i, j, positional)
     if ok is not None:
       s = jnp.where(ok, s, -jnp.inf)
