@@ -4,6 +4,7 @@ import csv
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashjax.benchmarks import cli, impls, report, timing
@@ -208,3 +209,33 @@ def test_run_shape_times_every_implementation_and_keeps_their_order():
   # bwd is a difference of two timings and may come out <= 0 on a tiny shape.
   assert all(r.ms > 0 for r in timed if r.direction == "fwd")
   assert all("no kernel here" in r.status for r in rows if r.impl == "broken")
+
+
+def test_cpu_step_costs_counts_the_causal_schedule():
+  from flashjax.benchmarks import cpu_step_costs as c
+  from flashjax.xla_cpu.config import XlaConfig
+  # 512x256 blocks at S = 2048: 4 q blocks x 8 kv blocks; q block i runs 2i
+  # interior steps, one masked full step and one half-height step.
+  assert c.causal_steps(2048) == (16, 4, 32)
+  assert c.causal_floor(2048, 1.0, 0.5) == 18 / 32
+  assert c.causal_floor(2048, 2.0, 2.0) == 20 / 32
+  assert c.causal_steps(4096) == (64, 8, 128)
+  # Odd-sized blocks: no half-height steps.
+  full, half, total = c.causal_steps(64, XlaConfig(block_q=15, block_kv=16))
+  assert half == 0 and 0 < full < total
+
+
+def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
+  from flashjax.benchmarks import cpu_step_costs as c
+  f, (q, kt, v) = c.step_loop(4, 8, heads=2, head_dim=3, steps=3)
+  m, l, acc = f(q, kt, v)
+  s = np.einsum("hqd,hdk->hqk", np.asarray(q)[0, :, 0], np.asarray(kt)[0]) * 0.125
+  ok = np.arange(8)[None, :] <= np.arange(4)[:, None] + 4
+  s = np.where(np.tile(ok, (1, 3))[None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("hqk,hkd->hqd", p / p.sum(-1, keepdims=True), np.asarray(v)[0])
+  np.testing.assert_allclose(np.asarray(acc / l[..., None])[0, :, 0], want,
+                             rtol=1e-5, atol=1e-6)
+  got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
+  assert set(got) == {(8, 4), (4, 8)}
+  assert all(0 < mn <= med for mn, med in got.values())
