@@ -38,7 +38,6 @@ from . import mosaic_pipeline
 from .mosaic_blocks import Geometry, cta_block_ranges, tile_coords, tiles_of_cta
 
 LOG2E = math.log2(math.e)
-RESCALE_LOG2 = 8.0
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -63,9 +62,6 @@ def forward(q, k, v, g: Geometry):
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas
   separate_o = separate_out_smem(g)
-  import os  # session-10 experiments, both off by default (slower on the H200)
-  issue_ahead = g.band.is_full and os.environ.get("FLASHJAX_FWD_AHEAD") == "1"
-  lazy = os.environ.get("FLASHJAX_LAZY") == "1"
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
     cta = lax.axis_index("cta")
@@ -122,14 +118,23 @@ def forward(q, k, v, g: Geometry):
           nxt = s + 1
           pl.when(nxt < hi_c)(lambda: plgpu.barrier_wait(k_bar.at[slot_of(nxt)]))
 
-        def softmax(s2, carry, s, masked: bool):
-          """Block s's probabilities (dtype) from raw scores ``s2``; rescales the
-          running output and sum."""
+        def step(s, carry, masked: bool):
           acc, m, l = carry
+          slot = slot_of(s)
+
+          def qk_product(acc_ref):
+            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
+            rendezvous()
+            return acc_ref[...]
+
+          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
           if g.soft_cap is not None:
             cap = g.soft_cap
             s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
           else:
+            # The scale rides in the exp2 argument (one FMA per element); the row
+            # max commutes with a positive scale.
             mult = scale2
           if masked:
             rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
@@ -141,38 +146,14 @@ def forward(q, k, v, g: Geometry):
               ok = ok & band_allowed(rows, cols, g.band)
             s2 = jnp.where(ok, s2, -jnp.inf)
           m_new = jnp.maximum(m, s2.max(axis=1) * mult)
-          if masked or not lazy:
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-            alpha = jnp.exp2(m - shift)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha
-          else:
-            # FA4's lazy rescale: keep the running max (skip rescaling O) unless
-            # some row's max grew by more than RESCALE_LOG2.
-            def rescale(_):
-              alpha = jnp.exp2(m - m_new)
-              return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), l * alpha, m_new
-
-            grow = jnp.max(m_new - m)  # +inf before the first block
-            acc, l, m_new = lax.cond(grow > RESCALE_LOG2, rescale,
-                                     lambda _: (acc, l, m), None)
-            shift = m_new
+          # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          alpha = jnp.exp2(m - shift)
           p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
-          l = l + p.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l = l * alpha + p.sum(axis=1)
           p16 = p.astype(dtype)
-          return lax.optimization_barrier((acc, l, m_new, p16))
-
-        def step(s, carry, masked: bool):
-          slot = slot_of(s)
-
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-            rendezvous()
-            return acc_ref[...]
-
-          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          acc, l, m_new, p16 = softmax(s2, carry, s, masked)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
           plgpu.barrier_arrive(sched)
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_wait(sched)
@@ -185,45 +166,6 @@ def forward(q, k, v, g: Geometry):
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l
 
-        def ahead_first(s):
-          slot = slot_of(s)
-
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-            rendezvous()
-            return acc_ref[...]
-
-          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          return s2
-
-        def ahead_step(s, carry, masked: bool, issue_next: bool):
-          """Block s's softmax, then P.V of block s and q.k^T of block s + 1
-          issued back to back in one turn (no wait between them)."""
-          acc, m, l, s2 = carry
-          slot = slot_of(s)
-          acc, l, m_new, p16 = softmax(s2, (acc, m, l), s, masked)
-          plgpu.barrier_arrive(sched)
-          plgpu.barrier_wait(v_bar.at[slot])
-          plgpu.barrier_wait(sched)
-          nslot = slot_of(s + 1)
-
-          def products(refs):
-            acc_ref, s_ref = refs
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            if issue_next:
-              plgpu.barrier_wait(k_bar.at[nslot])
-              plgpu.wgmma(s_ref, my_q, compat.transpose_ref(k_smem.at[nslot], (1, 0)))
-              rendezvous()
-
-          zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-          acc, s2n = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
-          plgpu.barrier_arrive(v_free.at[slot])
-          if issue_next:
-            plgpu.barrier_arrive(k_free.at[nslot])
-          return acc, m_new, l, s2n
-
         def skip(s, carry):
           slot = slot_of(s)
           plgpu.barrier_arrive(k_free.at[slot])
@@ -234,30 +176,15 @@ def forward(q, k, v, g: Geometry):
           plgpu.barrier_arrive(v_free.at[slot])
           return carry
 
-        if issue_ahead:
-          # Full band: both warpgroups walk every block (rows past Sq on zero
-          # padding), plain blocks first, then the one the key tail cuts.
-          a, hi = lo_c, hi_c
-          bb = jnp.clip(jnp.int32(g.seq_k // bk), lo_c, hi_c)
-          last = hi - 1
-          c = (acc, m, l, ahead_first(lo_c))
-          ahead = lambda masked: lambda s, c: ahead_step(s, c, masked, True)
-          c = lax.fori_loop(a, jnp.minimum(bb, last), ahead(False), c)
-          c = lax.fori_loop(jnp.maximum(bb, a), last, ahead(True), c)
-          final = lambda masked: lambda s, c: ahead_step(s, c, masked, False)
-          c = lax.fori_loop(last, jnp.where(last >= bb, hi, last), final(True), c)
-          c = lax.fori_loop(last, jnp.where(last < bb, hi, last), final(False), c)
-          acc, m, l, _ = c
-        else:
-          masked = lambda s, c: step(s, c, True)
-          plain = lambda s, c: step(s, c, False)
-          carry = (acc, m, l)
-          lax.fori_loop(lo_c, lo, skip, None)
-          carry = lax.fori_loop(lo, a, masked, carry)
-          carry = lax.fori_loop(a, bb, plain, carry)
-          carry = lax.fori_loop(bb, hi, masked, carry)
-          lax.fori_loop(hi, hi_c, skip, None)
-          acc, m, l = carry
+        masked = lambda s, c: step(s, c, True)
+        plain = lambda s, c: step(s, c, False)
+        carry = (acc, m, l)
+        lax.fori_loop(lo_c, lo, skip, None)
+        carry = lax.fori_loop(lo, a, masked, carry)
+        carry = lax.fori_loop(a, bb, plain, carry)
+        carry = lax.fori_loop(bb, hi, masked, carry)
+        lax.fori_loop(hi, hi_c, skip, None)
+        acc, m, l = carry
         pl.when(wg == 0)(rendezvous)
 
         has_next = it + 1 < n_local
