@@ -40,26 +40,6 @@ from .mosaic_blocks import Geometry, cta_block_ranges, tile_coords, tiles_of_cta
 LOG2E = math.log2(math.e)
 
 
-_MAGIC = 12582912.0  # 1.5 * 2**23: x + _MAGIC rounds x to an integer in the mantissa
-# 2**f on [-1/2, 1/2], relative error 1.1e-4 (weighted least squares, 2026-11-23).
-_POLY = (0.6933667, 0.24221833, 0.05460253)
-
-
-def _exp2_fma(x):
-  """2**x for x <= 0 with FMA/ALU instructions only (FlashAttention-4's trick to
-  take load off the MUFU): round x, a cubic for the fraction, the integer part
-  added to the exponent bits. Flushes x < -126 to 2**-126."""
-  x = jnp.maximum(x, -126.0)
-  t = x + _MAGIC
-  f = x - (t - _MAGIC)
-  q = 1.0 + f * (_POLY[0] + f * (_POLY[1] + f * _POLY[2]))
-  # t's low mantissa bits hold round(x); shifting them into the exponent field
-  # drops the rest of t's bits.
-  e = lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23))
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(q, jnp.int32) + e,
-                                  jnp.float32)
-
-
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
 # Mosaic's reduction scratch.
 SMEM_BUDGET = 220 * 1024
@@ -82,8 +62,6 @@ def forward(q, k, v, g: Geometry):
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas
   separate_o = separate_out_smem(g)
-  import os  # experiment switch
-  poly_cols = int(os.environ.get("FLASHJAX_POLY", "0"))
 
   def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
     cta = lax.axis_index("cta")
@@ -171,30 +149,17 @@ def forward(q, k, v, g: Geometry):
           # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
           shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m - shift)
-          x = s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0])
+          p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          if 0 < poly_cols < bk and not masked:
-            # Part of the tile's exp2 on the FMA pipe, the rest on the MUFU.
-            cut = bk - poly_cols
-            p_mufu, p_fma = jnp.exp2(x[:, :cut]), _exp2_fma(x[:, cut:])
-            l = l * alpha + p_mufu.sum(axis=1) + p_fma.sum(axis=1)
-            p16 = (p_mufu.astype(dtype), p_fma.astype(dtype))
-          else:
-            p = jnp.exp2(x)
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
+          l = l * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
           acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
           plgpu.barrier_arrive(sched)
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_wait(sched)
 
           def pv_product(acc_ref):
-            if isinstance(p16, tuple):
-              cut = bk - poly_cols
-              plgpu.wgmma(acc_ref, p16[0], v_smem.at[slot, pl.ds(0, cut)])
-              plgpu.wgmma(acc_ref, p16[1], v_smem.at[slot, pl.ds(cut, poly_cols)])
-            else:
-              plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
             wait_next_k(s)
 
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
