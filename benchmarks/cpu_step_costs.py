@@ -3,10 +3,12 @@ causal/non-causal time ratio the xla_cpu block schedule can reach with those cos
 
   python -m flashjax.benchmarks.cpu_step_costs [--seqs 2048,4096] [--rounds 12]
 
-A step is the xla_cpu forward's block update (q.k^T, row max, exp, row sum, P.V,
-rescale) on ``[B=1, H, rows, D] x [keys]`` tiles, timed inside a ``fori_loop`` of
-``steps`` steps (so dispatch is amortised), fp32, in interleaved rounds (min and
-median per tile). The floor counts the steps ``xla_cpu`` runs for a causal call
+A step is a stand-alone copy of the xla_cpu forward's block update (q.k^T, row
+max, exp, row sum, P.V, rescale) on ``[B=1, H, rows, D] x [keys]`` tiles: the
+forward's own step is a closure over its prepared operands, and the copy leaves
+out its empty-row guard and its bias, cap and dropout branches. Each tile is timed
+inside a ``fori_loop`` of ``steps`` steps (so dispatch is amortised), fp32, in
+interleaved rounds (min and median per tile). The floor counts the steps ``xla_cpu`` runs for a causal call
 (full-height steps, masked or not, and the half-height edge steps of
 ``Layout.split_ranges``) and weighs them by the measured costs; fixed per-call
 costs (layout transposes, loop set-up) are left out, and they only pull the ratio
