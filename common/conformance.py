@@ -46,10 +46,6 @@ class Capabilities:
   head_dim_ok: Callable[[int], bool] = lambda d: d <= 512
   different_v_head_dim: bool = True
   gradients: bool = True
-  # False for platforms that reduce gradients with atomics (fused FlashAttention
-  # backwards): a repeat run's gradients must then match to the gradient tolerance
-  # instead of bit for bit. Outputs must always repeat exactly.
-  deterministic_grads: bool = True
   # Largest sequence length this suite instance runs (interpret modes are slow);
   # longer cases are reported as skipped, never as passed.
   max_seq_len: int = 4096
@@ -168,8 +164,7 @@ def _objective(fn, const, static, cot, with_lse):
   return objective
 
 
-def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool,
-                               deterministic_grads: bool = True):
+def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
   """Returns ``(platform, reference)``, each a dict of numpy arrays."""
   diff, const, static = make_inputs(case)
   rng = np.random.default_rng(case.seed + 1)
@@ -199,14 +194,8 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool,
                                     err_msg="output differs between two runs")
       if grads:
         for n, x in run(diff)[0].items():
-          if deterministic_grads:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(g[n]),
-                                          err_msg=f"d{n} differs between two runs")
-          else:
-            tolerances.assert_close(np.asarray(x, np.float32),
-                                    np.asarray(g[n], np.float32),
-                                    tolerances.grad(case.dtype),
-                                    name=f"d{n} of a repeat run")
+          np.testing.assert_array_equal(np.asarray(x), np.asarray(g[n]),
+                                        err_msg=f"d{n} differs between two runs")
     results.append(res)
   return tuple({n: np.asarray(jnp.asarray(x, jnp.float32)) for n, x in r.items()}
                for r in results)
@@ -250,7 +239,7 @@ class ConformanceSuite:
       return None
     got, ref = run_platform_and_reference(
         self.attention, case, with_lse="lse" in caps.features,
-        grads=caps.gradients, deterministic_grads=caps.deterministic_grads)
+        grads=caps.gradients)
     ftol = caps.forward_tol.get(case.dtype, tolerances.forward(case.dtype))
     gtol = caps.grad_tol.get(case.dtype, tolerances.grad(case.dtype))
     for name in ref:

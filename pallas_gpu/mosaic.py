@@ -51,11 +51,6 @@ class MosaicConfig:
     dkv_stages: dK/dV Q/dO shared-memory slots in flight.
     bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
       instead of two) rather than one after the other.
-    deterministic: the Mosaic backward as the two kernels above, bit-identical
-      from run to run (True), or (False) the single-pass kernel of
-      mosaic_bwd_fused.py: five block products per step instead of seven, dQ
-      reduced across CTAs in fp32 by TMA reduce-add in an order that varies
-      between runs (differences at fp32 rounding level). It uses the dK/dV tiles.
   """
 
   block_q: int = 64
@@ -69,7 +64,6 @@ class MosaicConfig:
   dkv_block_kv: int = 64
   dkv_stages: int = 2
   bwd_one_launch: bool = True
-  deterministic: bool = True
   backward: pallas_triton.TritonConfig | None = None
 
   def __post_init__(self):
@@ -83,9 +77,8 @@ class MosaicConfig:
     if self.backward_kernel not in BACKWARD_KERNELS:
       raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
                        f"{self.backward_kernel!r}")
-    for name in ("bwd_one_launch", "deterministic"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.bwd_one_launch, bool):
+      raise ValueError(f"bwd_one_launch must be a bool, got {self.bwd_one_launch!r}")
     if self.dq_block_kv not in (64, 128):
       raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
     if self.dkv_block_kv != 64:
@@ -201,11 +194,7 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
-  if not static.config.deterministic:
-    from . import mosaic_bwd_fused
-    dq, dk, dv = mosaic_bwd_fused.dq_dkv(q, k, v, do, stats, g_dkv)
-    dq = (dq * spec.softmax_scale).astype(ops.q.dtype)
-  elif static.config.bwd_one_launch:
+  if static.config.bwd_one_launch:
     dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv)
   else:
     dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)

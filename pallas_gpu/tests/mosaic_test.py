@@ -31,19 +31,6 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     return mosaic.flash_attention(q, k, v, **kwargs)
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
-                    "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
-class TestPallasMosaicGpuSinglePass(conformance.ConformanceSuite):
-  """MosaicConfig(deterministic=False): the single-pass backward reduces dQ across
-  CTAs with TMA reduce-add in any order, so repeat runs agree to tolerance."""
-  CAPS = dataclasses.replace(TestPallasMosaicGpu.CAPS, deterministic_grads=False)
-
-  def attention(self, q, k, v, **kwargs):
-    config = mosaic.default_config(spec_lib.canonicalize(q, k, v, **kwargs)[1])
-    return mosaic.flash_attention(
-        q, k, v, config=dataclasses.replace(config, deterministic=False), **kwargs)
-
-
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
   band = Band(seq_q=seq_q, seq_k=seq_k, left=left, right=right)
   return mosaic_blocks.Geometry(
@@ -147,11 +134,6 @@ VARIANTS = [
     # The backward's dQ and dK/dV kernels as one launch (default) or two.
     dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
                                                   heads_kv=2, bwd_one_launch=False),
-    # The single-pass backward: dQ columns split between warpgroups from D = 128,
-    # whole columns per warpgroup at D = 64.
-    dict(deterministic=False), dict(causal=True, head_dim=64, deterministic=False),
-    dict(seq_q=300, seq_k=200, heads_q=4, heads_kv=2, sliding_window=(50, 10),
-         logits_soft_cap=20.0, deterministic=False),
 ]
 
 
@@ -165,7 +147,6 @@ def test_every_variant_lowers_for_cuda(variant):
   sinks = kw.pop("sinks", False)
   persistent = kw.pop("persistent", None)
   one_launch = kw.pop("bwd_one_launch", True)
-  deterministic = kw.pop("deterministic", True)
   sd = jax.ShapeDtypeStruct
   q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
   k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
@@ -184,8 +165,7 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
-    config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch,
-                                 deterministic=deterministic)
+    config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
     static = mosaic._Static(config, pallas_triton._Static(
         pallas_triton.default_config(spec), False))
     out, lse = mosaic.forward(ops, spec, static)
@@ -193,9 +173,9 @@ def test_every_variant_lowers_for_cuda(variant):
 
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
-  # Forward, dQ and dK/dV kernels (one launch or two, or the single-pass one) up
-  # to D = 128; Pallas-Triton backward beyond.
-  mosaic_bwd_launches = 1 if one_launch or not deterministic else 2
+  # Forward, dQ and dK/dV kernels (one launch or two) up to D = 128;
+  # Pallas-Triton backward beyond.
+  mosaic_bwd_launches = 1 if one_launch else 2
   assert text.count("custom_call @mosaic_gpu") == (
       1 + mosaic_bwd_launches if shape["head_dim"] <= 128 else 1)
 
