@@ -57,6 +57,14 @@ def is_hopper() -> bool:
   return any(t in kind for t in ("H100", "H200", "H800", "H20", "GH200"))
 
 
+def num_sms() -> int:
+  """Multiprocessors of the default device (H100/H200 SXM: 132; also the value
+  used when lowering on a machine without a GPU)."""
+  dev = jax.devices()[0]
+  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+  return count or 132
+
+
 def preferred_order(backend: str) -> list[str]:
   if backend == "cpu":
     return ["xla"]

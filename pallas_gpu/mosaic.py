@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .. import registry
 from ..common import epilogue, vjp
 from ..common import spec as spec_lib
 from . import pallas_triton
@@ -116,14 +117,6 @@ def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
   return MosaicConfig(block_kv=64, stages=2)
 
 
-def _num_sms() -> int:
-  """Multiprocessors of the default device (H100/H200 SXM: 132; also the value
-  for lowering on a machine without a GPU)."""
-  dev = jax.devices()[0]
-  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-  return count or 132
-
-
 def geometry(spec, config: MosaicConfig) -> Geometry:
   d = padded_head_dim(spec)
   tile = 2 * config.block_q
@@ -137,7 +130,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-      dtype=spec.dtype, persistent_ctas=_num_sms() if persistent else 0)
+      dtype=spec.dtype, persistent_ctas=registry.num_sms() if persistent else 0)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:
