@@ -4,8 +4,9 @@ Pallas-Triton example timed in the same process for ratios.
   python -m flashjax.benchmarks.pallas_triton_sweep [shape_set] [cand ...]
 
 A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
-``-`` is the default config. A trailing ``,fold`` or ``,nofold`` sets
-``TritonConfig.fold_causal`` (e.g. ``-,nofold``); without it the default's stands.
+``-`` is the default config. Trailing ``,fold``/``,nofold`` and ``,split``/
+``,nosplit`` set ``TritonConfig.fold_causal`` and ``split_tail`` (e.g.
+``-,nosplit``); without them the default's stand.
 """
 
 import dataclasses
@@ -25,8 +26,11 @@ def _config(text, q, k, v, causal):
   _, spec = canonicalize(q, k, v, causal=causal)
   base = pallas_triton.default_config(spec)
   parts = text.split(",")
-  if parts[-1] in ("fold", "nofold"):
-    base = dataclasses.replace(base, fold_causal=parts.pop() == "fold")
+  flags = {"fold": "fold_causal", "split": "split_tail"}
+  while parts[-1].removeprefix("no") in flags:
+    flag = parts.pop()
+    base = dataclasses.replace(base, **{flags[flag.removeprefix("no")]:
+                                        not flag.startswith("no")})
   if parts == ["-"]:
     return base
   bq, bk, w, s = (int(x) for x in parts)

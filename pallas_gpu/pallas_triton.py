@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .. import registry
 from ..common import spec as spec_lib
 from ..common import autotune as tuning
 from ..common import epilogue, launch, vjp
@@ -54,11 +55,14 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
     # vs 1.17x at B8 S2k, 1.00x vs 1.15x at B1 S16k: reports/*-pallas-triton-sweeps).
     # Long keys: causal programs paired (fold_causal), 1.20-1.23x vs 1.12-1.16x
     # at B1 S16k causal; with the short-key tiles folding gave 1.00x vs 1.17x.
+    # Long keys at 2 bytes also split the forward's last wave (split_tail): these
+    # tiles run one program per SM.
     short = spec.seq_k <= 2048
     cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64 if short else 128,
                                         num_warps=4 if short else 8,
                                         num_stages=2 if short else 3),
                        fold_causal=not short,
+                       split_tail=not short and spec.dtype != "float32",
                        dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                        num_stages=2),
                        dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
@@ -74,10 +78,12 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
 
 
 def forward(ops, spec, static: _Static):
-  plans = tp.make_plans(spec, static.config, fast_exp2=not static.interpret)
+  cfg = static.config
+  plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
-  out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, static.config.fwd,
-                                static.interpret, static.config.fold_causal)
+  slots = (cfg.tail_slots or registry.num_sms()) if cfg.split_tail else 0
+  out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
+                                cfg.fold_causal, slots)
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 

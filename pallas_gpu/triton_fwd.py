@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import triton_plan as tp
+from . import triton_tail
 
 
 def tiles(r: dict, plan: tp.Plan, i, j, bq: int, bk: int):
@@ -54,8 +55,22 @@ def folds(plan: tp.Plan, fold_causal: bool) -> bool:
           and plan.num_q_blocks > 1)
 
 
-def _kernel(*refs, plan: tp.Plan, names, fold: bool):
+def _program_coords(plan: tp.Plan, p):
+  """Program ``p`` of the 3-D grid in launch order (q blocks fastest) -> (i, b, h)."""
+  n = plan.num_q_blocks
+  bh = p // n
+  return p % n, bh % plan.spec.batch, bh // plan.spec.batch
+
+
+def _kernel(*refs, plan: tp.Plan, names, fold: bool, tail):
   r = dict(zip(names, refs))
+  if tail is not None:
+    whole, p, part = triton_tail.unit(tail, pl.program_id(0))
+    i, b, h = _program_coords(plan, p)
+    pl.when(whole)(lambda: _q_block(r, plan, i, False, b, h))
+    pl.when(~whole)(lambda: _q_block(r, plan, i, False, b, h,
+                                     part=(part, tail.parts)))
+    return
   # Program ids are read here: the interpreter cannot lower them inside pl.when.
   p, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block = functools.partial(_q_block, r, plan, b=b, h=h, sliced=fold)
@@ -74,9 +89,11 @@ def _kernel(*refs, plan: tp.Plan, names, fold: bool):
     block(p)
 
 
-def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h):
+def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
   """Output and lse rows of q block i. ``sliced``: the q/o/lse/q_ids refs hold
-  the whole sequence (folded launch), else just this block."""
+  the whole sequence (folded launch), else just this block. ``part = (index,
+  parts)``: only that share of the block's key tiles, written as fp32 partials
+  (triton_tail.py) instead of the output."""
   spec = plan.spec
   bq, bk = plan.block_q, plan.block_kv
   rows = pl.ds(i * bq, bq) if sliced else slice(None)
@@ -115,7 +132,16 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h):
 
   init = (jnp.zeros((bq, plan.head_dim_v_padded), jnp.float32),
           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  acc, m, l = stages(plan, *plan.kv_ranges(i), body, init)
+  lo, lo_full, hi_full, hi = plan.kv_ranges(i)
+  if part is not None:
+    lo, hi = triton_tail.key_range(lo, hi, *part)
+    lo_full, hi_full = (jnp.clip(x, lo, hi) for x in (lo_full, hi_full))
+  acc, m, l = stages(plan, lo, lo_full, hi_full, hi, body, init)
+  if part is not None:
+    r["part_acc"][...] = acc
+    r["part_m"][...] = jnp.where(m == -jnp.inf, -jnp.inf, m * mult)
+    r["part_l"][...] = l
+    return
   nonempty = l > 0
   safe_l = jnp.where(nonempty, l, 1.0)
   out = acc / safe_l[:, None]
@@ -148,38 +174,77 @@ def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
   return out
 
 
+def splits_tail(plan: tp.Plan, fold: bool, slots: int):
+  """The key split of the last wave (TritonConfig.split_tail), or None: only for
+  equal programs (the full band, unfolded) without dropout, whose 1/(1 - rate)
+  scaling the partials would skip."""
+  if fold or not plan.spec.band.is_full or plan.spec.dropout_rate > 0:
+    return None
+  programs = plan.num_q_blocks * plan.spec.batch * plan.spec.heads_q
+  return triton_tail.plan(programs, slots, plan.num_kv_blocks)
+
+
 def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret,
-            fold_causal: bool = False):
+            fold_causal: bool = False, tail_slots: int = 0):
   """``out [B, Sqp, Hq, Dvp]`` (input dtype), ``lse [B, Hq, Sqp]`` (fp32, rows
-  only, no sinks)."""
+  only, no sinks). ``tail_slots``: programs that run at once, > 0 to split the
+  last wave along the keys (triton_tail.py)."""
   spec = plan.spec
   bq, g = plan.block_q, spec.group_size
   dp, dvp = plan.head_dim_padded, plan.head_dim_v_padded
   sqp, skp = plan.seq_q_padded, plan.seq_k_padded
   fold = folds(plan, fold_causal)
+  tail = splits_tail(plan, fold, tail_slots)
   # A folded program reaches two q blocks, so its q-side blocks span the sequence.
   rq = sqp if fold else bq
   qi = (lambda i: 0) if fold else (lambda i: i)
+  if tail is None:
+    coords = lambda i, b, h: (i, b, h)
+  else:  # one grid axis of units (triton_tail.unit)
+    coords = lambda t: _program_coords(plan, triton_tail.unit(tail, t)[1])
+
+  def index(fn):
+    return lambda *grid: fn(*coords(*grid))
+
   specs = [
-      ("q", pl.BlockSpec((None, rq, None, dp), lambda i, b, h: (b, qi(i), h, 0)), x.q),
-      ("k", pl.BlockSpec((None, skp, None, dp), lambda i, b, h: (b, 0, h // g, 0)), x.k),
-      ("v", pl.BlockSpec((None, skp, None, dvp), lambda i, b, h: (b, 0, h // g, 0)),
-       x.v),
+      ("q", pl.BlockSpec((None, rq, None, dp), index(lambda i, b, h: (b, qi(i), h, 0))),
+       x.q),
+      ("k", pl.BlockSpec((None, skp, None, dp), index(lambda i, b, h: (b, 0, h // g, 0))),
+       x.k),
+      ("v", pl.BlockSpec((None, skp, None, dvp),
+                         index(lambda i, b, h: (b, 0, h // g, 0))), x.v),
   ] + in_specs(x, plan,
-               pl.BlockSpec((None, rq), lambda i, b, h: (b, qi(i))),
-               pl.BlockSpec((None, skp), lambda i, b, h: (b, 0)),
-               lambda i, b, h: (b, h))
+               pl.BlockSpec((None, rq), index(lambda i, b, h: (b, qi(i)))),
+               pl.BlockSpec((None, skp), index(lambda i, b, h: (b, 0))),
+               index(lambda i, b, h: (b, h)))
   names = [n for n, _, _ in specs] + ["o", "lse"]
   out_shape = [jax.ShapeDtypeStruct((spec.batch, sqp, spec.heads_q, dvp), x.q.dtype),
                jax.ShapeDtypeStruct((spec.batch, spec.heads_q, sqp), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, rq, None, dvp), lambda i, b, h: (b, qi(i), h, 0)),
-               pl.BlockSpec((None, None, rq), lambda i, b, h: (b, h, qi(i)))]
+  out_specs = [pl.BlockSpec((None, rq, None, dvp),
+                            index(lambda i, b, h: (b, qi(i), h, 0))),
+               pl.BlockSpec((None, None, rq), index(lambda i, b, h: (b, h, qi(i))))]
   n = plan.num_q_blocks
-  return pl.pallas_call(
-      functools.partial(_kernel, plan=plan, names=names, fold=fold),
-      grid=((n + 1) // 2 if fold else n, spec.batch, spec.heads_q),
+  grid = ((n + 1) // 2 if fold else n, spec.batch, spec.heads_q)
+  if tail is not None:
+    grid = (tail.units,)
+    part = lambda t: triton_tail.part_of(tail, t)
+    names += ["part_acc", "part_m", "part_l"]
+    rows = (tail.count, tail.parts, bq)
+    out_shape += [jax.ShapeDtypeStruct(rows + (dvp,), jnp.float32),
+                  jax.ShapeDtypeStruct(rows, jnp.float32),
+                  jax.ShapeDtypeStruct(rows, jnp.float32)]
+    out_specs += [pl.BlockSpec((None, None, bq, dvp), lambda t: (*part(t), 0, 0)),
+                  pl.BlockSpec((None, None, bq), lambda t: (*part(t), 0)),
+                  pl.BlockSpec((None, None, bq), lambda t: (*part(t), 0))]
+  outs = pl.pallas_call(
+      functools.partial(_kernel, plan=plan, names=names, fold=fold, tail=tail),
+      grid=grid,
       in_specs=[s for _, s, _ in specs], out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
       interpret=interpret, name="flashjax_pallas_triton_fwd",
   )(*(a for _, _, a in specs))
+  if tail is None:
+    return outs
+  return triton_tail.combine(outs[0], outs[1], outs[2:], tail,
+                             functools.partial(_program_coords, plan), bq, interpret)

@@ -31,9 +31,24 @@ class TritonConfig(KernelsConfig):
   tail of long programs. 1.20-1.23x vs 1.12-1.16x JAX's example at B1 S16k
   causal on an H200 with 128x128 8-warp tiles (benchmarks/NOTES.md, session 7);
   off by default for explicit configs, on where default_config measured it.
+
+  ``split_tail``: a non-causal forward (full band, no dropout) whose programs fill
+  two or more waves runs each program of the last, partial wave as a few key-range
+  parts, combined after the launch (triton_tail.py). ``tail_slots``: programs
+  that run at once (0: one per SM of the default device, which is what the long-key
+  D <= 128 tiles of default_config occupy).
   """
 
   fold_causal: bool = False
+  split_tail: bool = False
+  tail_slots: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.split_tail, bool):
+      raise ValueError(f"split_tail must be a bool, got {self.split_tail!r}")
+    if not isinstance(self.tail_slots, int) or self.tail_slots < 0:
+      raise ValueError(f"tail_slots must be an int >= 0, got {self.tail_slots!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,146 @@ def test_config_validation():
     KernelConfig(block_q=48, block_kv=32)
   with pytest.raises(ValueError, match="num_warps"):
     KernelConfig(block_q=32, block_kv=32, num_warps=3)
+  with pytest.raises(ValueError, match="split_tail"):
+    TritonConfig(split_tail=1)
+  with pytest.raises(ValueError, match="tail_slots"):
+    TritonConfig(tail_slots=-1)
+
+
+# -- the forward's last wave split along the keys (triton_tail.py) -----------------
+
+def test_split_tail_plan():
+  from flashjax.pallas_gpu import triton_tail
+  # B2 S8k H16 with 128-row programs, one per SM of an H100/H200: the 68 programs
+  # of the 16th wave run as five key ranges each (three rounds of a fifth).
+  tail = triton_tail.plan(2048, 132, 64)
+  assert (tail.full, tail.count, tail.parts, tail.units) == (1980, 68, 5, 2320)
+  assert triton_tail.plan(200, 132, 64) is None  # under two waves
+  assert triton_tail.plan(264, 132, 64) is None  # whole waves
+  assert triton_tail.plan(300, 132, 1) is None  # one key tile: nothing to split
+  # A tail of one program above 2 waves: as many parts as tiles, up to 8.
+  assert triton_tail.plan(265, 132, 3).parts == 3
+  assert triton_tail.plan(265, 132, 64).parts == triton_tail.MAX_PARTS
+  # Nearly full last waves do not pay: 130 programs in two parts take two rounds.
+  assert triton_tail.plan(394, 132, 64) is None
+  lo, hi = 3, 17
+  cuts = [triton_tail.key_range(lo, hi, p, 5) for p in range(5)]
+  assert cuts[0][0] == lo and cuts[-1][1] == hi
+  assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+
+
+def test_split_tail_applies_to_equal_programs_only():
+  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  make = lambda **kw: spec.abstract_spec(batch=2, seq_q=512, seq_k=512, heads_q=3,
+                                         head_dim=64, **kw)
+  plan = lambda s: triton_plan.Plan(s, 32, 16, 32, 16)
+  assert triton_fwd.splits_tail(plan(make()), False, 5) is not None
+  assert triton_fwd.splits_tail(plan(make()), False, 0) is None
+  assert triton_fwd.splits_tail(plan(make(causal=True)), False, 5) is None
+  assert triton_fwd.splits_tail(plan(make(sliding_window=(64, 64))), False, 5) is None
+  assert triton_fwd.splits_tail(plan(make(dropout_rate=0.1)), False, 5) is None
+  d128 = lambda s, **kw: pallas_triton.default_config(spec.abstract_spec(
+      batch=1, seq_q=s, seq_k=s, heads_q=2, head_dim=128, dtype="bfloat16", **kw))
+  assert d128(8192).split_tail and not d128(2048).split_tail
+
+
+def test_split_tail_lowers_for_cuda():
+  """The default long-key tiles at B2 S8k H16 D128 lower (on any machine) to the
+  forward over 1980 whole programs and 68 x 5 parts plus the combining kernel."""
+  sd = jax.ShapeDtypeStruct
+  q = sd((2, 8192, 16, 128), jnp.bfloat16)
+
+  def fwd(q, k, v):
+    ops, s = spec.canonicalize(q, k, v)
+    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    return pallas_triton.forward(ops, s, static)
+
+  text = jax.jit(fwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flashjax_pallas_triton_fwd_tail" in text
+  assert "tensor<68x5x128x128xf32>" in text
+
+
+SPLIT = dataclasses.replace(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_tail_forward_matches_whole_programs(dtype):
+  """Interpret mode, small tiles, five programs at a time: the tail's parts
+  combine to the unsplit output and lse (to rounding: the order of the sums
+  differs), with the features that index by key tile (bias columns, mask,
+  segment ids), a soft cap, grouped heads and padded keys."""
+  ks = jax.random.split(jax.random.key(7), 5)
+  sq, sk = 200, 237  # 7 q blocks of 32, 15 key tiles of 16 (padded)
+  q = jax.random.normal(ks[0], (2, sq, 4, 48), jnp.float32).astype(dtype)
+  k, v = (jax.random.normal(kk, (2, sk, 2, 48), jnp.float32).astype(dtype)
+          for kk in ks[1:3])
+  bias = jax.random.normal(ks[3], (1, 4, sq, sk))
+  mask = jax.random.uniform(ks[4], (2, 1, sq, sk)) > 0.2
+  ids_q = jnp.broadcast_to((jnp.arange(sq) >= 70).astype(jnp.int32), (2, sq))
+  ids_k = jnp.broadcast_to((jnp.arange(sk) >= 90).astype(jnp.int32), (2, sk))
+  run = lambda cfg: pallas_triton.flash_attention(
+      q, k, v, bias=bias, mask=mask, segment_ids=(ids_q, ids_k), logits_soft_cap=30.0,
+      return_lse=True, interpret=True, config=cfg)
+  split, whole = run(SPLIT), run(dataclasses.replace(SPLIT, split_tail=False))
+  for a, b in zip(split, whole):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all() and np.abs(b).max() > 0
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 if dtype == "float32"
+                               else 8e-3)
+
+
+class _SplitTailInterpret(conformance.ConformanceSuite):
+  """Outputs and gradients against the reference with the last wave split (not
+  collected: the cases below pick what it runs)."""
+
+  CAPS = conformance.Capabilities(name="pallas-triton[interpret,split-tail]",
+                                  head_dim_ok=lambda d: d <= 256)
+
+  def attention(self, q, k, v, **kwargs):
+    return pallas_triton.flash_attention(q, k, v, interpret=True, config=SPLIT,
+                                         **kwargs)
+
+
+SPLIT_CASES = {
+    "fp32-gqa": conformance.Case(batch=2, seq_q=200, seq_k=237, heads_q=4, heads_kv=2),
+    "bf16-features": conformance.Case(batch=2, seq_q=230, seq_k=180, heads_q=3,
+                                      heads_kv=1, dtype="bfloat16", sinks=1,
+                                      bias_shape=(1, -1, -1, -1), segment_ids="padded",
+                                      logits_soft_cap=20.0),
+    "fp16-empty-rows": conformance.Case(batch=2, seq_q=160, seq_k=160, heads_q=4,
+                                        dtype="float16", segment_ids="disjoint"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_split_tail_against_reference(name):
+  _SplitTailInterpret().check(SPLIT_CASES[name])
+
+
+# On the GPU with the default tiles and the device's SM count: 10 heads of 32
+# q blocks (4096 rows) is 320 programs, 56 past two waves of 132.
+SPLIT_GPU_CASES = {
+    "bf16": conformance.Case(seq_q=4096, seq_k=4096, heads_q=10, heads_kv=10,
+                             head_dim=128, dtype="bfloat16"),
+    "fp16-gqa-padded": conformance.Case(seq_q=4000, seq_k=4500, heads_q=10, heads_kv=5,
+                                        head_dim=96, dtype="float16",
+                                        segment_ids="padded", sinks=1),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
+def test_split_tail_forward_on_gpu(name):
+  from flashjax import registry
+  from flashjax.pallas_gpu import triton_fwd
+  case = SPLIT_GPU_CASES[name]
+  s = spec.abstract_spec(batch=case.batch, seq_q=case.seq_q, seq_k=case.seq_k,
+                         heads_q=case.heads_q, heads_kv=case.heads_kv,
+                         head_dim=case.head_dim, dtype=case.dtype)
+  cfg = pallas_triton.default_config(s)
+  plan = pallas_triton.tp.make_plans(s, cfg)["fwd"]
+  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, registry.num_sms())
+  TestPallasTritonGpu().check(case)
 
 
 def test_needs_gpu_or_interpret():

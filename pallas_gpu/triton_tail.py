@@ -1,0 +1,125 @@
+"""The Pallas-Triton forward's last wave, split along the keys.
+
+A non-causal forward launches one program per (q block, batch, head), all of the
+same length. With ``N`` programs and ``S`` of them running at once (one per SM
+for the long-key D = 128 tiles), the last ``N mod S`` programs form a partial
+wave that takes as long as a full one while most SMs idle: at B2 S8k H16 that is
+68 of 2048 programs on 132 SMs, the 16th wave of a 15.5-wave launch.
+
+Here the launch is one-dimensional: the first ``N - T`` units are whole programs
+in the 3-D grid's order, and each of the last ``T`` programs runs as ``k`` units
+over consecutive key ranges. A part writes its unnormalised output, row max and
+row sum (fp32); a second small kernel combines the ``k`` parts of each tail
+block as the online softmax would and writes the block's output and lse in place. ``k`` is the
+split that minimises the modelled time of the tail, ``ceil(T k / S)`` rounds of
+``1 / k + overhead`` program-times each, and no split is made where none beats a
+plain wave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LN2 = math.log(2.0)
+# Per part, in program-times: loading q, filling the pipeline, writing the fp32
+# partials.
+PART_OVERHEAD = 0.03
+MAX_PARTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Tail:
+  full: int  # programs run whole: the launch's first units
+  count: int  # the last programs, run in parts
+  parts: int
+
+  @property
+  def units(self) -> int:
+    return self.full + self.count * self.parts
+
+
+def plan(programs: int, slots: int, kv_blocks: int) -> Tail | None:
+  """The split of a launch of ``programs`` equal programs of ``kv_blocks`` key
+  tiles each, ``slots`` at a time; None where splitting would not pay."""
+  if slots <= 0 or programs < 2 * slots:
+    return None
+  count = programs % slots
+  if count == 0:
+    return None
+  best, best_cost = 1, 1.0
+  for k in range(2, min(MAX_PARTS, kv_blocks) + 1):
+    cost = -(-count * k // slots) * (1.0 / k + PART_OVERHEAD)
+    if cost < best_cost - 1e-9:
+      best, best_cost = k, cost
+  return None if best == 1 else Tail(programs - count, count, best)
+
+
+def unit(tail: Tail, t):
+  """Unit ``t`` -> (whole?, program, part); traced int32 in, traced out."""
+  whole = t < tail.full
+  rest = jnp.maximum(t - tail.full, 0)
+  program = jnp.where(whole, t, tail.full + rest // tail.parts)
+  return whole, program, jnp.where(whole, 0, rest % tail.parts)
+
+
+def part_of(tail: Tail, t):
+  """The (tail program, part) block of the partial outputs unit ``t`` writes
+  (block (0, 0) for whole units, which write none)."""
+  rest = jnp.maximum(t - tail.full, 0)
+  return rest // tail.parts, rest % tail.parts
+
+
+def key_range(lo, hi, part, parts: int):
+  """Part ``part`` of ``parts`` near-equal consecutive pieces of ``[lo, hi)``."""
+  n = hi - lo
+  return lo + (part * n) // parts, lo + ((part + 1) * n) // parts
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, out_in, lse_in, out_ref, lse_ref, *,
+                    tail: Tail):
+  del out_in, lse_in  # aliased to out_ref and lse_ref: only this block is written
+  u = pl.program_id(0)
+  ms = [m_ref[u, j] for j in range(tail.parts)]
+  top = functools.reduce(jnp.maximum, ms)
+  top_safe = jnp.where(top == -jnp.inf, 0.0, top)
+  ws = [jnp.exp2(m - top_safe) for m in ms]
+  l_sum = sum(w * l_ref[u, j] for j, w in enumerate(ws))
+  acc = sum(w[:, None] * acc_ref[u, j] for j, w in enumerate(ws))
+  ok = l_sum > 0
+  l_safe = jnp.where(ok, l_sum, 1.0)
+  out_ref[...] = (acc / l_safe[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(ok, (top_safe + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+def combine(out, lse, partials, tail: Tail, coords, block_q: int, interpret: bool):
+  """Writes the tail blocks of ``out [B, Sqp, H, Dv]`` and ``lse [B, H, Sqp]`` in
+  place from ``partials = (acc [T, k, bq, Dv], m [T, k, bq], l [T, k, bq])``: acc
+  and l are summed with base-2 weights relative to the parts' common row max (``m``
+  is in log2 units). ``coords(program) -> (q block, batch, head)``."""
+  dv = out.shape[3]
+  where = lambda u: coords(tail.full + u)
+  return pl.pallas_call(
+      functools.partial(_combine_kernel, tail=tail),
+      grid=(tail.count,),
+      in_specs=[pl.BlockSpec(x.shape, lambda u, n=x.ndim: (0,) * n) for x in partials]
+      + [pl.BlockSpec((None, block_q, None, dv),
+                      lambda u: (where(u)[1], where(u)[0], where(u)[2], 0)),
+         pl.BlockSpec((None, None, block_q), lambda u: (where(u)[1], where(u)[2],
+                                                        where(u)[0]))],
+      out_specs=[pl.BlockSpec((None, block_q, None, dv),
+                              lambda u: (where(u)[1], where(u)[0], where(u)[2], 0)),
+                 pl.BlockSpec((None, None, block_q),
+                              lambda u: (where(u)[1], where(u)[2], where(u)[0]))],
+      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                 jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
+      input_output_aliases={3: 0, 4: 1}, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      name="flashjax_pallas_triton_fwd_tail",
+  )(*partials, out, lse)
