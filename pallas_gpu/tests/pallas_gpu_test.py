@@ -258,12 +258,13 @@ def test_split_tail_against_reference(name):
   _SplitTailInterpret().check(SPLIT_CASES[name])
 
 
-# On the GPU with the default tiles and the device's SM count: 10 heads of 32
+# On the GPU with the default tiles and the device's SM count (lengths within the
+# suite's max_seq_len of 4096): 10 heads of 32
 # q blocks (4096 rows) is 320 programs, 56 past two waves of 132.
 SPLIT_GPU_CASES = {
     "bf16": conformance.Case(seq_q=4096, seq_k=4096, heads_q=10, heads_kv=10,
                              head_dim=128, dtype="bfloat16"),
-    "fp16-gqa-padded": conformance.Case(seq_q=4000, seq_k=4500, heads_q=10, heads_kv=5,
+    "fp16-gqa-padded": conformance.Case(seq_q=4000, seq_k=4090, heads_q=10, heads_kv=5,
                                         head_dim=96, dtype="float16",
                                         segment_ids="padded", sinks=1),
 }
