@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import registry
+from ..common import autotune as tuning
 from ..common import epilogue, vjp
 from ..common import spec as spec_lib
 from . import pallas_triton
@@ -205,13 +206,23 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
       v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), sinks=dsinks)
 
 
+def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
+  """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
+  heuristic (mosaic_autotune.py, common/autotune.py)."""
+  from . import mosaic_autotune
+  return tuning.resolve(spec, config, cache=mosaic_autotune.CACHE,
+                        tune=mosaic_autotune.tune, attention=flash_attention,
+                        default=default_config(spec),
+                        may_tune=jax.default_backend() == "gpu")
+
+
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
   if jax.default_backend() != "gpu":
     raise NotImplementedError("pallas-mosaic-gpu: needs a Hopper GPU")
-  config = config or default_config(spec)
+  config = resolve_config(spec, config)
   if not isinstance(config, MosaicConfig):
     raise ValueError(f"config must be a pallas_gpu.MosaicConfig, got "
                      f"{type(config).__name__}")

@@ -256,3 +256,56 @@ def test_one_launch_backward_equals_two_launches(kw):
   for a, b in zip(one, two):
     assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
+  """A fake run and timer (no GPU needed): the fastest forward, then the fastest
+  backward with that forward, is cached per shape class and read back by
+  resolve_config; candidates that fail are skipped."""
+  from flashjax.pallas_gpu import mosaic_autotune
+  monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+  s = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
+                             head_dim=128, dtype="bfloat16")
+  assert mosaic_autotune.lookup(s) is None
+  timed = []
+
+  def run(cfg, with_grad):
+    if cfg.stages == 4:
+      raise ValueError("does not fit")  # skipped, not fatal
+    return (cfg, with_grad), ()
+
+  def timer(fn, args):
+    cfg, with_grad = fn
+    timed.append(fn)
+    if not with_grad:
+      return 0.5 if (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False) else 1.0
+    assert (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False)
+    return 0.7 if cfg.dkv_stages == 3 else 1.0
+
+  cfg = mosaic_autotune.tune(s, run, timer=timer)
+  assert (cfg.block_kv, cfg.stages, cfg.persistent, cfg.dkv_stages) == (64, 3, False, 3)
+  fwd, bwd = mosaic_autotune.candidates(s, mosaic.default_config(s))
+  assert fwd[0] == mosaic.default_config(s)  # the default always competes
+  fwd_winner = dataclasses.replace(mosaic.default_config(s), block_kv=64, stages=3,
+                                   persistent=False)
+  assert len(timed) == sum(c.stages != 4 for c in fwd) + len(bwd(fwd_winner))
+  assert mosaic_autotune.lookup(s) == cfg  # read back from the JSON file
+  assert mosaic.resolve_config(s, None) == cfg
+  explicit = mosaic.MosaicConfig(block_kv=64, stages=2)
+  assert mosaic.resolve_config(s, explicit) == explicit
+  other = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
+                                 head_dim=64, dtype="bfloat16")
+  assert mosaic.resolve_config(other, None) == mosaic.default_config(other)
+
+
+def test_autotune_candidates_are_valid_per_head_dim():
+  from flashjax.pallas_gpu import mosaic_autotune
+  for d in (64, 96, 128, 256):
+    s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=1024, heads_q=4, head_dim=d,
+                               dtype="bfloat16")
+    base = mosaic.default_config(s)
+    fwd, bwd = mosaic_autotune.candidates(s, base)
+    assert fwd[0] == base and len(set(fwd)) == len(fwd)
+    assert all(isinstance(c, mosaic.MosaicConfig) for c in fwd)
+    # D = 256 runs the Pallas-Triton backward: no Mosaic backward candidates.
+    assert bool(bwd(base)) == (d <= 128)

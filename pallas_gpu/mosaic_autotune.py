@@ -1,0 +1,95 @@
+"""Autotuning of the Mosaic-GPU tiles, with a persistent cache (common/autotune.py).
+
+With ``FLASHJAX_AUTOTUNE=1`` (or :func:`tune` called directly) on a GPU, the first
+call of a shape class times the forward candidates (K/V block and pipeline depth
+for the head dim, crossed with the launch kind) on random inputs of that shape,
+then the backward candidates (dQ and dK/dV tiles and pipeline depths, one launch
+or two) with the winning forward, and stores the winner in a JSON cache keyed by
+device kind and shape class. The default config competes in both rounds, so
+tuning never picks worse than the default as timed. Later calls, in this process
+or another, read the cache. The cache lives in ``$FLASHJAX_AUTOTUNE_CACHE``
+(default ``~/.cache/flashjax/pallas_mosaic_gpu.json``; keys start with
+``mosaic|``, so the file can be shared with the other platforms).
+
+Only the Mosaic fields are tuned and cached; where the Pallas-Triton backward
+runs (D = 256), its tiles are resolved by that platform's own tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..common import autotune as common
+from . import mosaic
+
+# Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
+# shared memory (D = 256 leaves room for 64-key blocks in two stages only).
+FORWARD = {
+    64: (dict(block_kv=128, stages=3), dict(block_kv=128, stages=2),
+         dict(block_kv=64, stages=3), dict(block_kv=64, stages=4)),
+    128: (dict(block_kv=128, stages=2), dict(block_kv=64, stages=3),
+          dict(block_kv=64, stages=4), dict(block_kv=64, stages=2)),
+    256: (dict(block_kv=64, stages=2),),
+}
+LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False))
+BACKWARD = (dict(), dict(dq_block_kv=128), dict(dq_stages=3), dict(dkv_stages=3),
+            dict(dkv_block_q=128), dict(bwd_one_launch=False))
+
+
+def _to_json(cfg: mosaic.MosaicConfig) -> dict:
+  d = dataclasses.asdict(cfg)
+  d.pop("backward")
+  return d
+
+
+def _from_json(d: dict) -> mosaic.MosaicConfig:
+  return mosaic.MosaicConfig(**d)
+
+
+CACHE = common.JsonCache("pallas_mosaic_gpu", _to_json, _from_json, key_prefix="mosaic|")
+
+
+def lookup(spec) -> mosaic.MosaicConfig | None:
+  return CACHE.lookup(spec)
+
+
+def _unique(configs):
+  out = []
+  for c in configs:
+    if c not in out:
+      out.append(c)
+  return out
+
+
+def candidates(spec, base: mosaic.MosaicConfig):
+  """``(forward, backward)`` candidate builders for ``spec``: forward configs
+  (``base`` first), and ``f(forward winner) -> backward configs`` (empty where the
+  Mosaic backward does not run)."""
+  d = mosaic.padded_head_dim(spec)
+  fwd = _unique([base] + [dataclasses.replace(base, **tiles, **launch)
+                          for tiles in FORWARD[d] for launch in LAUNCH])
+
+  def bwd(winner):
+    if not mosaic.uses_mosaic_backward(spec, winner):
+      return []
+    return _unique([dataclasses.replace(winner, **fields) for fields in BACKWARD])
+
+  return fwd, bwd
+
+
+def tune(spec, run, *, timer=common.default_timer,
+         base: mosaic.MosaicConfig | None = None) -> mosaic.MosaicConfig:
+  """Times the candidates for ``spec`` (``run(config, with_grad) -> (fn, args)``)
+  and caches the winner; candidates that fail to compile are skipped."""
+  base = base or mosaic.default_config(spec)
+
+  def go():
+    fwd, bwd = candidates(spec, base)
+    cfg = common.fastest(fwd, run, False, timer, CACHE.platform)
+    backward = bwd(cfg)
+    if backward:
+      cfg = common.fastest(backward, run, True, timer, CACHE.platform)
+    CACHE.store(spec, cfg)
+    return cfg
+
+  return common.in_fresh_thread(go)
