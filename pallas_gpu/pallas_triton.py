@@ -41,9 +41,13 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 WIDE_BWD = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
 
 
-def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
+def default_config(spec: spec_lib.AttentionSpec,
+                   target: launch.GpuTarget | None = None) -> TritonConfig:
   """Tiles by head dim: larger heads leave room for fewer rows. Small problems get
-  tiles no larger than their (power-of-two rounded) lengths."""
+  tiles no larger than their (power-of-two rounded) lengths. ``target`` (default:
+  the default device's generation) sizes the streamed tiles to its shared
+  memory; the long-key tiles and the split tail are Hopper's (measured there)."""
+  target = target or launch.gpu_target()
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
     # Folded causal programs: 1.52x JAX's example vs 1.44-1.48x at B2 S8k (one run).
@@ -57,7 +61,9 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
     # at B1 S16k causal; with the short-key tiles folding gave 1.00x vs 1.17x.
     # Long keys at 2 bytes also split the forward's last wave (split_tail): these
     # tiles run one program per SM.
-    short = spec.seq_k <= 2048
+    # Other generations keep the short-key tiles: the long ones were measured on
+    # Hopper only, and need its shared memory.
+    short = spec.seq_k <= 2048 or not target.hopper
     cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64 if short else 128,
                                         num_warps=4 if short else 8,
                                         num_stages=2 if short else 3),
@@ -70,7 +76,8 @@ def default_config(spec: spec_lib.AttentionSpec) -> TritonConfig:
   else:
     cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
                                         num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
-  return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec)
+  return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec,
+                                     budget=target.streamed_budget)
 
 
 def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:

@@ -8,8 +8,9 @@ import os
 import numpy as np
 
 from ..common import dropout as dropout_lib
-from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
-                             fit_to_shared_memory, tile_size, with_forward_blocks)
+from ..common.launch import (GpuTarget, KernelConfig, KernelsConfig, fit_to_lengths,
+                             fit_to_shared_memory, gpu_target, tile_size,
+                             with_forward_blocks)
 from ..common.spec import AttentionSpec
 
 
@@ -18,9 +19,11 @@ Launch = KernelConfig
 TritonKernelsConfig = KernelsConfig
 
 
-def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
+def default_config(spec: AttentionSpec,
+                   target: GpuTarget | None = None) -> TritonKernelsConfig:
   """Tiles by head dim, overridden by jax-flash-attn2's BLOCKSIZE_M_FLASH_ATTN /
-  BLOCKSIZE_N_FLASH_ATTN (forward tiles)."""
+  BLOCKSIZE_N_FLASH_ATTN (forward tiles); the streamed tiles fit ``target``'s
+  shared memory (default: the default device's generation)."""
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
     cfg = TritonKernelsConfig(fwd=Launch(block_q=128, block_kv=64, num_warps=4,
@@ -36,7 +39,8 @@ def default_config(spec: AttentionSpec) -> TritonKernelsConfig:
   m = os.environ.get("BLOCKSIZE_M_FLASH_ATTN")
   n = os.environ.get("BLOCKSIZE_N_FLASH_ATTN")
   cfg = with_forward_blocks(cfg, int(m) if m else None, int(n) if n else None)
-  return fit_to_shared_memory(fit_to_lengths(cfg, spec), spec)
+  budget = (target or gpu_target()).streamed_budget
+  return fit_to_shared_memory(fit_to_lengths(cfg, spec), spec, budget=budget)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flashjax import registry
-from flashjax.common import conformance, spec as spec_lib
+from flashjax.common import conformance, spec as spec_lib, tolerances
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
@@ -309,3 +309,24 @@ def test_autotune_candidates_are_valid_per_head_dim():
     assert all(isinstance(c, mosaic.MosaicConfig) for c in fwd)
     # D = 256 runs the Pallas-Triton backward: no Mosaic backward candidates.
     assert bool(bwd(base)) == (d <= 128)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+def test_autotune_on_gpu(tmp_path, monkeypatch):
+  """FLASHJAX_AUTOTUNE=1: the first call of a shape class times the real
+  candidates on the device and caches a valid winner; the tuned call matches the
+  reference, and a second call reads the cache."""
+  from flashjax.common import reference
+  from flashjax.pallas_gpu import mosaic_autotune
+  monkeypatch.setenv("FLASHJAX_AUTOTUNE", "1")
+  monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+  ks = jax.random.split(jax.random.key(4), 3)
+  q, k, v = (jax.random.normal(kk, (1, 1024, 4, 128), jnp.bfloat16) for kk in ks)
+  out = mosaic.flash_attention(q, k, v, causal=True)
+  s = spec_lib.canonicalize(q, k, v, causal=True)[1]
+  cfg = mosaic_autotune.lookup(s)
+  assert isinstance(cfg, mosaic.MosaicConfig)
+  assert mosaic.resolve_config(s, None) == cfg
+  ref = reference.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                            v.astype(jnp.float32), causal=True)
+  tolerances.assert_close(out, ref, tolerances.forward("bfloat16"))

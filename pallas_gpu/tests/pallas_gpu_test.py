@@ -466,3 +466,50 @@ def test_wide_head_backward_tiles():
   # A 2-byte input with a full fp32 bias: 64 streamed rows of 2 x 256 x 2 + 64 x 4
   # bytes fit twice, so the wide tiles stay whole.
   assert bf16_bias.dq == bf16_bias.dkv == pallas_triton.WIDE_BWD
+
+
+def test_gpu_generation_from_the_device():
+  import types
+  from flashjax.common import launch
+  dev = lambda cc, kind="NVIDIA": types.SimpleNamespace(
+      platform="gpu", compute_capability=cc, device_kind=kind)
+  assert launch.gpu_target(dev("9.0", "NVIDIA H200")).hopper
+  assert launch.gpu_target(dev("8.0", "NVIDIA A100-SXM4-80GB")).name == "ampere-datacenter"
+  assert launch.gpu_target(dev("8.9", "NVIDIA L40S")).shared_memory == 99 * 1024
+  assert launch.gpu_target(dev("gfx942", "AMD Instinct MI300X")) == launch.AMD
+  assert launch.gpu_target(dev("8.1")).name.startswith("ampere")  # same major
+  assert launch.gpu_target(dev("")) == launch.HOPPER  # unknown: as before
+  assert launch.gpu_target(types.SimpleNamespace(platform="cpu")) == launch.HOPPER
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_tiles_fit_every_generation(dtype):
+  """The Triton-based platforms' default streamed tiles fit each generation's
+  shared memory (with a full fp32 bias too); only Hopper gets the long-key tiles
+  and the split tail."""
+  from flashjax.common import launch
+  from flashjax.triton_gpu import plan as triton_plan_gpu
+  targets = list(launch._BY_CAPABILITY.values()) + [launch.AMD]
+  for target in targets:
+    for d in (64, 128, 256):
+      for bias in (None, jax.ShapeDtypeStruct((1, 4, 8192, 8192), "float32")):
+        s = spec.abstract_spec(batch=1, seq_q=8192, seq_k=8192, heads_q=4, head_dim=d,
+                               dtype=dtype, bias=bias)
+        for cfg in (pallas_triton.default_config(s, target),
+                    triton_plan_gpu.default_config(s, target)):
+          for kernel, streamed, other in ((cfg.fwd, "block_kv", "block_q"),
+                                          (cfg.dq, "block_kv", "block_q"),
+                                          (cfg.dkv, "block_q", "block_kv")):
+            # Each streamed row: K and V (or Q and dO) plus a bias row as wide as
+            # the resident tile.
+            row = 2 * d * jnp.dtype(dtype).itemsize + (
+                4 * getattr(kernel, other) if bias is not None else 0)
+            n = getattr(kernel, streamed)
+            assert n == 16 or kernel.num_stages * n * row <= target.streamed_budget, (
+                target.name, d, kernel)
+        p = pallas_triton.default_config(s, target)
+        long_tiles = p.fwd.block_kv == 128 and p.fwd.num_warps == 8
+        assert (long_tiles and d == 128 and dtype == "bfloat16") == (
+            target.hopper and d == 128 and dtype == "bfloat16" and bias is None), (
+                target.name, d, p.fwd)
+        assert not p.split_tail or target.hopper
