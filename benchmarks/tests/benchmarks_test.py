@@ -89,6 +89,9 @@ def test_pallas_triton_sweep_parses_candidates():
   assert not off.fold_causal and off.fwd == default.fwd
   on = pallas_triton_sweep._config("128,64,4,2,fold", q, q, q, causal=True)
   assert on.fold_causal and on.fwd.num_warps == 4
+  assert default.split_tail  # long keys at 2 bytes split the forward's last wave
+  both = pallas_triton_sweep._config("-,nofold,nosplit", q, q, q, causal=False)
+  assert not both.fold_causal and not both.split_tail and both.fwd == default.fwd
 
 
 def test_sweep_rows_time_candidates_against_the_baseline(capsys):
