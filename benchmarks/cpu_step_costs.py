@@ -8,9 +8,10 @@ max, exp, row sum, P.V, rescale) on ``[B=1, H, rows, D] x [keys]`` tiles: the
 forward's own step is a closure over its prepared operands, and the copy leaves
 out its empty-row guard and its bias, cap and dropout branches. Each tile is timed
 inside a ``fori_loop`` of ``steps`` steps (so dispatch is amortised), fp32, in
-interleaved rounds (min and median per tile). The floor counts the steps ``xla_cpu`` runs for a causal call
-(full-height steps, masked or not, and the half-height edge steps of
-``Layout.split_ranges``) and weighs them by the measured costs; fixed per-call
+interleaved rounds (min and median per tile). The floor counts the steps
+``xla_cpu`` runs for a causal call (full-height steps, masked or not, and the
+half-height edge steps of ``Layout.split_ranges``) and weighs them by the
+measured costs; fixed per-call
 costs (layout transposes, loop set-up) are left out, and they only pull the ratio
 towards 1.
 """

@@ -10,10 +10,10 @@ Here the launch is one-dimensional: the first ``N - T`` units are whole programs
 in the 3-D grid's order, and each of the last ``T`` programs runs as ``k`` units
 over consecutive key ranges. A part writes its unnormalised output, row max and
 row sum (fp32); a second small kernel combines the ``k`` parts of each tail
-block as the online softmax would and writes the block's output and lse in place. ``k`` is the
-split that minimises the modelled time of the tail, ``ceil(T k / S)`` rounds of
-``1 / k + overhead`` program-times each, and no split is made where none beats a
-plain wave.
+block as the online softmax would and writes the block's output and lse in
+place. ``k`` is the split that minimises the modelled time of the tail,
+``ceil(T k / S)`` rounds of ``1 / k + overhead`` program-times each, and no split
+is made where none beats a plain wave.
 """
 
 from __future__ import annotations
@@ -103,20 +103,23 @@ def combine(out, lse, partials, tail: Tail, coords, block_q: int, interpret: boo
   place from ``partials = (acc [T, k, bq, Dv], m [T, k, bq], l [T, k, bq])``: acc
   and l are summed with base-2 weights relative to the parts' common row max (``m``
   is in log2 units). ``coords(program) -> (q block, batch, head)``."""
-  dv = out.shape[3]
-  where = lambda u: coords(tail.full + u)
+  def out_index(u):
+    i, b, h = coords(tail.full + u)
+    return b, i, h, 0
+
+  def lse_index(u):
+    i, b, h = coords(tail.full + u)
+    return b, h, i
+
+  # The tail block's output and lse, read (aliased) and written by the same spec.
+  blocks = [pl.BlockSpec((None, block_q, None, out.shape[3]), out_index),
+            pl.BlockSpec((None, None, block_q), lse_index)]
   return pl.pallas_call(
       functools.partial(_combine_kernel, tail=tail),
       grid=(tail.count,),
-      in_specs=[pl.BlockSpec(x.shape, lambda u, n=x.ndim: (0,) * n) for x in partials]
-      + [pl.BlockSpec((None, block_q, None, dv),
-                      lambda u: (where(u)[1], where(u)[0], where(u)[2], 0)),
-         pl.BlockSpec((None, None, block_q), lambda u: (where(u)[1], where(u)[2],
-                                                        where(u)[0]))],
-      out_specs=[pl.BlockSpec((None, block_q, None, dv),
-                              lambda u: (where(u)[1], where(u)[0], where(u)[2], 0)),
-                 pl.BlockSpec((None, None, block_q),
-                              lambda u: (where(u)[1], where(u)[2], where(u)[0]))],
+      in_specs=[pl.BlockSpec(x.shape, lambda u, n=x.ndim: (0,) * n)
+                for x in partials] + blocks,
+      out_specs=blocks,
       out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
                  jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
       input_output_aliases={3: 0, 4: 1}, interpret=interpret,
