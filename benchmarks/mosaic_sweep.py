@@ -31,7 +31,7 @@ def _fields(text):
     name, value = item.split("=")
     if name == "backward_kernel":
       out[name] = value
-    elif name in ("persistent", "bwd_one_launch"):
+    elif name in ("persistent", "bwd_one_launch", "split_tail"):
       out[name] = bool(int(value))
     else:
       out[name] = int(value)

@@ -2,12 +2,12 @@
 
 With ``FLASHJAX_AUTOTUNE=1`` (or :func:`tune` called directly) on a GPU, the first
 call of a shape class times the forward candidates (K/V block and pipeline depth
-for the head dim, crossed with the launch kind) on random inputs of that shape,
-then the backward candidates (dQ and dK/dV tiles and pipeline depths, one launch
-or two) with the winning forward, and stores the winner in a JSON cache keyed by
-device kind and shape class. The default config competes in both rounds, so
-tuning never picks worse than the default as timed. Later calls, in this process
-or another, read the cache. The cache lives in ``$FLASHJAX_AUTOTUNE_CACHE``
+for the head dim, crossed with the launch kind and the split tail) on random
+inputs of that shape, then the backward candidates (dQ and dK/dV tiles and
+pipeline depths, one launch or two) with the winning forward, and stores the
+winner in a JSON cache keyed by device kind and shape class. The default config
+competes in both rounds, so tuning never picks worse than the default as timed.
+Later calls, in this process or another, read the cache. The cache lives in ``$FLASHJAX_AUTOTUNE_CACHE``
 (default ``~/.cache/flashjax/pallas_mosaic_gpu.json``; keys start with
 ``mosaic|``, so the file can be shared with the other platforms).
 
@@ -31,7 +31,9 @@ FORWARD = {
           dict(block_kv=64, stages=4), dict(block_kv=64, stages=2)),
     256: (dict(block_kv=64, stages=2),),
 }
-LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False))
+# The split tail applies to persistent full-band launches only (mosaic_blocks).
+LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
+          dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
 BACKWARD = (dict(), dict(dq_block_kv=128), dict(dq_stages=3), dict(dkv_stages=3),
             dict(dkv_block_q=128), dict(bwd_one_launch=False))
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..common.mask import Band
+from . import triton_tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Geometry:
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
+  # Persistent full-band forward: run the last, partial round of tiles as key
+  # ranges (triton_tail.py) where the plan says it pays.
+  split_tail: bool = False
 
   @property
   def group(self) -> int:
@@ -91,9 +95,58 @@ def tile_coords(g: Geometry, t):
   return lax.div(rest, jnp.int32(g.heads_q)), lax.rem(rest, jnp.int32(g.heads_q)), tile
 
 
+def tail_plan(g: Geometry) -> triton_tail.Tail | None:
+  """The persistent forward's split of its last round of tiles along the keys, or
+  None. Only for the full band, where every tile walks the same number of steps."""
+  if not (g.split_tail and g.persistent_ctas and g.band.is_full):
+    return None
+  return triton_tail.plan(g.num_tiles, g.num_ctas, g.seq_k_padded // g.block_kv)
+
+
+def num_units(g: Geometry) -> int:
+  """Forward work items: whole tiles, then the tail's (tile, key range) parts."""
+  tail = tail_plan(g)
+  return tail.units if tail else g.num_tiles
+
+
 def tiles_of_cta(g: Geometry, cta):
   """How many work items CTA ``cta`` runs: ``cta, cta + num_ctas, ...``."""
-  return lax.div(g.num_tiles - _i32(cta) + (g.num_ctas - 1), jnp.int32(g.num_ctas))
+  return lax.div(num_units(g) - _i32(cta) + (g.num_ctas - 1), jnp.int32(g.num_ctas))
+
+
+def _unit(tail: triton_tail.Tail, u):
+  """triton_tail.unit with lax.div and lax.rem (operands >= 0), which Mosaic-GPU
+  lowers as plain scalar ops: unit -> (tile index, whole, part)."""
+  u = _i32(u)
+  whole = u < tail.full
+  rest = jnp.maximum(u - tail.full, 0)
+  t = jnp.where(whole, u, tail.full + lax.div(rest, jnp.int32(tail.parts)))
+  return t, whole, jnp.where(whole, 0, lax.rem(rest, jnp.int32(tail.parts)))
+
+
+def unit_tile(g: Geometry, u):
+  """The tile index (for :func:`tile_coords`) of forward work item ``u``."""
+  tail = tail_plan(g)
+  return _i32(u) if tail is None else _unit(tail, u)[0]
+
+
+def unit_walk(g: Geometry, u):
+  """Forward work item ``u`` -> ``(tile index t, whole, part, ranges, lo_c, hi_c)``:
+  :func:`cta_block_ranges` of tile ``t`` cut to the item's key range. ``whole``
+  is False for a tail part (``part`` of the tail's ``parts``; see
+  :func:`tail_plan`), whose walk is the part's consecutive kv blocks."""
+  tail = tail_plan(g)
+  if tail is None:
+    t = _i32(u)
+    return (t, jnp.bool_(True), _i32(0)) + cta_block_ranges(g, tile_coords(g, t)[2])
+  t, whole, part = _unit(tail, u)
+  parts = jnp.where(whole, 1, tail.parts)
+  ranges, lo_c, hi_c = cta_block_ranges(g, tile_coords(g, t)[2])
+  n = hi_c - lo_c
+  k_lo = lo_c + lax.div(part * n, parts)
+  k_hi = lo_c + lax.div((part + 1) * n, parts)
+  ranges = [tuple(_clamp(x, k_lo, k_hi) for x in rg) for rg in ranges]
+  return t, whole, part, ranges, k_lo, k_hi
 
 
 def wg_block_ranges(g: Geometry, r0):

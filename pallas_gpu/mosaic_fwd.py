@@ -16,6 +16,11 @@ store. Short sequences (few kv steps per tile) lose most to per-tile start-up
 otherwise. Without it, one CTA per tile (the hardware balances uneven causal
 tiles).
 
+Split tail (``MosaicConfig.split_tail``, full band, persistent): the last,
+partial round of q tiles runs as key-range parts (mosaic_blocks.unit_walk); a
+part stores its normalised output in fp32 and its lse in log2 units, and
+triton_tail.combine merges each tile's parts into the output and lse in place.
+
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
 warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
 steps still wait for the slot's data and release it, so every thread's barrier
@@ -34,8 +39,9 @@ from jax import lax
 
 from ..common import compat
 from ..common.mask import band_allowed
-from . import mosaic_pipeline
-from .mosaic_blocks import Geometry, cta_block_ranges, tile_coords, tiles_of_cta
+from . import mosaic_pipeline, triton_tail
+from .mosaic_blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
+                            unit_walk)
 
 LOG2E = math.log2(math.e)
 
@@ -62,8 +68,9 @@ def forward(q, k, v, g: Geometry):
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas
   separate_o = separate_out_smem(g)
+  tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, free, sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, smem, bars, free, sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
@@ -87,16 +94,16 @@ def forward(q, k, v, g: Geometry):
         b_idx, h, tile = tile_coords(g, t)
         return b_idx, h, tile, tile * (2 * bq) + wg * bq
 
-      def load_q(t):
-        b_idx, h, _, r0 = rows_of(t)
+      def load_q(u):
+        b_idx, h, _, r0 = rows_of(unit_tile(g, u))
         plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
 
       load_q(cta)
 
       def tile_body(it, base):
-        t = cta + it * ctas
+        u = cta + it * ctas
+        t, whole, part, ranges, lo_c, hi_c = unit_walk(g, u)
         b_idx, h, tile, r0 = rows_of(t)
-        ranges, lo_c, hi_c = cta_block_ranges(g, tile)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
         lo, a, bb, hi = (pick(i) for i in range(4))
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
@@ -189,20 +196,40 @@ def forward(q, k, v, g: Geometry):
 
         has_next = it + 1 < n_local
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue
-          pl.when(has_next)(lambda: load_q(t + ctas))
+          pl.when(has_next)(lambda: load_q(u + ctas))
         has = l > 0.0
         inv = 1.0 / jnp.where(has, l, 1.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
         # The previous tile's stores must have read the staging buffers.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        my_o[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-        lse_smem.at[wg][...] = jnp.where(
-            has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b_idx, pl.ds(r0, bq), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
+
+        def store_tile():
+          my_o[...] = out.astype(dtype)
+          lse_smem.at[wg][...] = lse2 * (1.0 / LOG2E)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(my_o, o_ref.at[b_idx, pl.ds(r0, bq), h])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
+
+        def store_part():
+          # A tail part: its normalised output in fp32 (straight from registers,
+          # no fp32 staging buffer fits) and its lse in log2 units, for
+          # triton_tail.combine to merge with the tile's other parts.
+          o_part, lse_part = parts
+          rows = (t - tail.full, part, pl.ds(wg * bq, bq))
+          o_part.at[rows][...] = out
+          lse_smem.at[wg][...] = lse2
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_part.at[rows])
+
+        if tail is None:
+          store_tile()
+        else:
+          pl.when(whole)(store_tile)
+          pl.when(jnp.logical_not(whole))(store_part)
         if not separate_o:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(has_next)(lambda: load_q(t + ctas))
+          pl.when(has_next)(lambda: load_q(u + ctas))
         return base + (hi_c - lo_c)
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
@@ -213,8 +240,8 @@ def forward(q, k, v, g: Geometry):
       plgpu.set_max_registers(40, action="decrease")
 
       def tile_body(it, base):
-        b_idx, h, tile = tile_coords(g, cta + it * ctas)
-        _, lo_c, hi_c = cta_block_ranges(g, tile)
+        t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas)
+        b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = mosaic_pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
             lax.div(h, jnp.int32(g.group)))
@@ -229,7 +256,7 @@ def forward(q, k, v, g: Geometry):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *parts):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -241,13 +268,29 @@ def forward(q, k, v, g: Geometry):
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
     pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scoped),
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, *scoped),
         smem, bars, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
-  return plgpu.kernel(
+  if tail is not None:
+    rows = (tail.count, tail.parts, 2 * bq)
+    out_type += (jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
+                 jax.ShapeDtypeStruct(rows, jnp.float32))
+  outs = plgpu.kernel(
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v)
+  if tail is None:
+    return outs
+  out, lse, o_part, lse_part = outs
+  # Parts hold normalised outputs: weight 1 each, scaled by 2^(lse - max lse).
+  ones = jnp.ones(lse_part.shape, jnp.float32)
+
+  def coords(t):
+    b_idx, h, tile = tile_coords(g, t)
+    return tile, b_idx, h
+
+  return triton_tail.combine(out, lse, (o_part, lse_part, ones), tail, coords,
+                             2 * bq, interpret=False)

@@ -14,6 +14,10 @@ block as the online softmax would and writes the block's output and lse in
 place. ``k`` is the split that minimises the modelled time of the tail,
 ``ceil(T k / S)`` rounds of ``1 / k + overhead`` program-times each, and no split
 is made where none beats a plain wave.
+
+The Mosaic-GPU persistent forward (mosaic_fwd.py) uses the same plan and this
+combine kernel for its last round of tiles; its parts store the normalised output
+with ``m`` = lse in log2 units and ``l`` = 1, which the same weights merge.
 """
 
 from __future__ import annotations

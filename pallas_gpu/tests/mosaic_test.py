@@ -91,6 +91,58 @@ def test_persistent_schedule_covers_every_tile_once(batch, heads, seq, ctas):
   assert len(seen) == len(expected) and set(seen) == expected
 
 
+def _tail_geometry(batch, heads, seq_q, seq_k, ctas, block_kv=128, **band):
+  return mosaic_blocks.Geometry(
+      batch=batch, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
+      seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=heads, heads_kv=1,
+      head_dim=128, band=Band(seq_q=seq_q, seq_k=seq_k, **band), softmax_scale=1.0,
+      soft_cap=None, block_q=64, block_kv=block_kv, stages=2, dtype="bfloat16",
+      persistent_ctas=ctas, split_tail=True)
+
+
+@pytest.mark.parametrize("batch,heads,seq_q,seq_k,ctas,block_kv", [
+    (2, 16, 8192, 8192, 132, 128), (1, 20, 2048, 2000, 132, 128),
+    (3, 5, 1000, 700, 7, 64), (1, 3, 640, 1000, 4, 128)])
+def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, ctas,
+                                                 block_kv):
+  """The persistent forward with its last round split along the keys: over all
+  CTAs' work items, every (tile, kv block) of the unsplit walk runs exactly once,
+  whole tiles first, and each part's warpgroup ranges lie inside its key range."""
+  g = _tail_geometry(batch, heads, seq_q, seq_k, ctas, block_kv)
+  tail = mosaic_blocks.tail_plan(g)
+  assert tail is not None and tail.parts >= 2
+  assert tail.full % g.num_ctas == 0 and tail.full + tail.count == g.num_tiles
+  seen = []
+  for cta in range(g.num_ctas):
+    for i in range(int(mosaic_blocks.tiles_of_cta(g, cta))):
+      u = cta + i * g.num_ctas
+      t, whole, part, ranges, lo_c, hi_c = mosaic_blocks.unit_walk(g, u)
+      t, lo_c, hi_c = int(t), int(lo_c), int(hi_c)
+      assert bool(whole) == (u < tail.full) and t == int(mosaic_blocks.unit_tile(g, u))
+      assert lo_c < hi_c
+      for rg in ranges:
+        lo, a, b, hi = (int(x) for x in rg)
+        assert lo_c <= lo <= a <= b <= hi <= hi_c
+      coords = tuple(int(x) for x in mosaic_blocks.tile_coords(g, t))
+      seen += [coords + (s,) for s in range(lo_c, hi_c)]
+  _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, 0)
+  expected = {(b, h, t, s) for b in range(batch) for h in range(heads)
+              for t in range(g.num_q_tiles) for s in range(int(lo_c), int(hi_c))}
+  assert len(seen) == len(expected) and set(seen) == expected
+
+
+def test_split_tail_applies_to_the_persistent_full_band_only():
+  g = _tail_geometry(2, 16, 8192, 8192, 132)
+  assert mosaic_blocks.tail_plan(g) == mosaic_blocks.triton_tail.Tail(1980, 68, 5)
+  assert mosaic_blocks.num_units(g) == 1980 + 68 * 5
+  for other in (dataclasses.replace(g, split_tail=False),
+                dataclasses.replace(g, persistent_ctas=0),
+                _tail_geometry(2, 16, 8192, 8192, 132, right=0),
+                _tail_geometry(1, 2, 256, 256, 132)):  # one round: nothing to split
+    assert mosaic_blocks.tail_plan(other) is None
+    assert mosaic_blocks.num_units(other) == other.num_tiles
+
+
 @pytest.mark.parametrize("seq_q,seq_k,band,block_q", [
     (sq, sk, b, bq) for (sq, sk), b, bq in itertools.product(
         [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 32))])
@@ -131,6 +183,8 @@ VARIANTS = [
     # The forward's launch kinds: persistent by default only for the full band.
     dict(causal=True, persistent=True), dict(persistent=False),
     dict(head_dim=256, sliding_window=(64, 0), persistent=True),
+    # A persistent launch of 320 tiles on 132 SMs: the last round split by keys.
+    dict(seq_q=2048, seq_k=2000, heads_q=20, heads_kv=4, split_tail=True),
     # The backward's dQ and dK/dV kernels as one launch (default) or two.
     dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
                                                   heads_kv=2, bwd_one_launch=False),
@@ -146,6 +200,7 @@ def test_every_variant_lowers_for_cuda(variant):
   dtype = kw.pop("dtype", "bfloat16")
   sinks = kw.pop("sinks", False)
   persistent = kw.pop("persistent", None)
+  split_tail = kw.pop("split_tail", False)
   one_launch = kw.pop("bwd_one_launch", True)
   sd = jax.ShapeDtypeStruct
   q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
@@ -155,13 +210,18 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     assert mosaic.supported(spec) is None
-    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent)
+    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent,
+                                 split_tail=split_tail)
+    assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
+        split_tail)
     static = mosaic._Static(config, None)
     return mosaic.forward(ops, spec, static)
 
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+  # The split tail's parts are merged by triton_tail's (Pallas-Triton) kernel.
+  assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
 
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
@@ -210,6 +270,8 @@ def test_config_validation():
     mosaic.MosaicConfig(dq_block_kv=96)
   with pytest.raises(ValueError, match="bwd_one_launch"):
     mosaic.MosaicConfig(bwd_one_launch=1)
+  with pytest.raises(ValueError, match="split_tail"):
+    mosaic.MosaicConfig(split_tail=None)
   for bad in (32, 40):  # 32 once passed validation and failed inside Mosaic-GPU
     with pytest.raises(ValueError, match="dkv_block_q"):
       mosaic.MosaicConfig(dkv_block_q=bad)
@@ -330,3 +392,62 @@ def test_autotune_on_gpu(tmp_path, monkeypatch):
   ref = reference.attention(q.astype(jnp.float32), k.astype(jnp.float32),
                             v.astype(jnp.float32), causal=True)
   tolerances.assert_close(out, ref, tolerances.forward("bfloat16"))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+@pytest.mark.parametrize("kw", [
+    dict(), dict(seq_k=2000, logits_soft_cap=20.0, heads_kv=4),
+    dict(seq_q=2000, sinks=True, dtype="float16"), dict(head_dim=64, seq_k=3000),
+    dict(head_dim=256)], ids=str)
+def test_split_tail_matches_unsplit_and_reference(kw):
+  """A 320-tile persistent forward on 132 SMs runs its last 56 tiles as key-range
+  parts with fp32 partials: output, lse and gradients (which read the merged lse)
+  match the reference, and the output is within one rounding of the unsplit."""
+  from flashjax.common import reference
+  kw = dict(kw)
+  b, sq, sk, hq = 1, kw.pop("seq_q", 2048), kw.pop("seq_k", 2048), 20
+  hkv, d = kw.pop("heads_kv", hq), kw.pop("head_dim", 128)
+  dtype = kw.pop("dtype", "bfloat16")
+  ks = jax.random.split(jax.random.key(5), 5)
+  q = jax.random.normal(ks[0], (b, sq, hq, d), dtype)
+  k, v = (jax.random.normal(kk, (b, sk, hkv, d), dtype) for kk in ks[1:3])
+  do = jax.random.normal(ks[3], q.shape, dtype)
+  if kw.pop("sinks", False):
+    kw["sinks"] = jax.random.normal(ks[4], (hq, 1), jnp.float32)
+  spec = spec_lib.canonicalize(q, k, v, **kw)[1]
+  on = dataclasses.replace(mosaic.default_config(spec), split_tail=True)
+  assert mosaic_blocks.tail_plan(mosaic.geometry(spec, on))
+  off = dataclasses.replace(on, split_tail=False)
+
+  def run(attn, q, k, v):
+    def loss(q, k, v):
+      out, lse = attn(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), (out, lse)
+    grads, (out, lse) = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return out, lse, grads
+
+  split = run(lambda q, k, v: mosaic.flash_attention(
+      q, k, v, config=on, return_lse=True, **kw), q, k, v)
+  whole = run(lambda q, k, v: mosaic.flash_attention(
+      q, k, v, config=off, return_lse=True, **kw), q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = run(lambda q, k, v: reference.attention(q, k, v, return_lse=True, **kw),
+            f32(q), f32(k), f32(v))
+  tolerances.assert_close(split[0], ref[0], tolerances.forward(dtype), name="out")
+  tolerances.assert_close(split[1], ref[1], tolerances.forward("float32"), name="lse")
+  for name, g, r in zip("qkv", split[2], ref[2]):
+    tolerances.assert_close(g, r, tolerances.grad(dtype), name=f"d{name}")
+  # The parts round their own P to the input dtype before PV (as every tile
+  # does), so split and unsplit outputs differ by that rounding: on the tail
+  # tiles' rows, the split's error against the reference is the unsplit's size.
+  g = mosaic.geometry(spec, on)
+  tail = mosaic_blocks.tail_plan(g)
+  rows = np.zeros((b, hq, g.seq_q_padded), bool)
+  for t in range(tail.full, tail.full + tail.count):
+    bi, h, tile = (int(x) for x in mosaic_blocks.tile_coords(g, t))
+    rows[bi, h, tile * 128:(tile + 1) * 128] = True
+  rows = np.transpose(rows[:, :, :sq], (0, 2, 1))  # [B, Sq, H] like out
+  err = lambda x: tolerances.rel_l2(np.asarray(f32(x[0]))[rows],
+                                    np.asarray(ref[0])[rows])
+  assert err(split) <= 1.25 * err(whole) + 1e-6, (err(split), err(whole))
+  np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), atol=1e-3)
