@@ -44,6 +44,13 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         Shape(name=f"B2-S8k-H32:8-D128" + ("-causal" if c else ""), batch=2,
               seq_q=8192, seq_k=8192, heads_q=32, heads_kv=8, head_dim=128,
               causal=c) for c in (False, True)),
+    # D = 64, non-causal, B*S = 16k: head counts whose tile counts leave different
+    # last rounds on 132 SMs (H12: 84 of 1536 tiles; H32: 4 of 4096), for the
+    # Mosaic forward's split tail.
+    "d64_tails": tuple(
+        Shape(name=f"B{16384 // s}-S{s // 1024}k-H{h}-D64", batch=16384 // s,
+              seq_q=s, seq_k=s, heads_q=h, heads_kv=h, head_dim=64)
+        for h in (12, 32) for s in (2048, 8192)),
     # CPU: fp32, B=1, H=8, D=64 (the xla_cpu issue's table).
     "cpu": tuple(
         Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,

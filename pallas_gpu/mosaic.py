@@ -56,9 +56,10 @@ class MosaicConfig:
     split_tail: the persistent forward runs its last, partial round of q tiles
       as key ranges merged by a small second kernel (triton_tail.py); applies to
       the full band only, where the plan finds a split that pays. The default
-      config turns it on for D <= 64 only: on an H200 it made the B2 S8k H32 D64
-      forward 6% faster but left D = 128's kernel time unchanged (plus 15 us for
-      the merge), session 12.
+      config turns it on for D <= 64 with more than 2048 keys only. On an H200
+      (session 12) it made the D = 64 S8k forward 3-6% faster (H12 and H32),
+      was mixed at S2k (-3% at H12, +1.5% at H32) and left D = 128's kernel
+      time unchanged (plus 15 us for the merge).
   """
 
   block_q: int = 64
@@ -118,10 +119,10 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
   """Shared memory holds 2 q blocks and ``stages`` K and V blocks: D = 256 keeps
   64-key blocks so two stages fit in 227 KiB. The split tail only where it was
-  measured to pay (D = 64; see MosaicConfig)."""
+  measured to pay (D = 64, long keys; see MosaicConfig)."""
   d = padded_head_dim(spec) or 256
   if d <= 64:
-    return MosaicConfig(block_kv=128, stages=3, split_tail=True)
+    return MosaicConfig(block_kv=128, stages=3, split_tail=spec.seq_k > 2048)
   if d <= 128:
     return MosaicConfig(block_kv=128, stages=2)
   return MosaicConfig(block_kv=64, stages=2)

@@ -131,6 +131,17 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
   assert len(seen) == len(expected) and set(seen) == expected
 
 
+def test_split_tail_default_where_it_was_measured_to_pay():
+  """On by default for D <= 64 with more than 2048 keys only (H200, session 12)."""
+  s = lambda d, seq: spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=12,
+                                            head_dim=d, dtype="bfloat16")
+  assert mosaic.default_config(s(64, 8192)).split_tail
+  assert mosaic.default_config(s(48, 4096)).split_tail
+  assert not mosaic.default_config(s(64, 2048)).split_tail
+  assert not mosaic.default_config(s(128, 8192)).split_tail
+  assert not mosaic.default_config(s(256, 8192)).split_tail
+
+
 def test_split_tail_applies_to_the_persistent_full_band_only():
   g = _tail_geometry(2, 16, 8192, 8192, 132)
   assert mosaic_blocks.tail_plan(g) == mosaic_blocks.triton_tail.Tail(1980, 68, 5)
