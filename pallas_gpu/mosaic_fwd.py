@@ -18,8 +18,9 @@ tiles).
 
 Split tail (``MosaicConfig.split_tail``, full band, persistent): the last,
 partial round of q tiles runs as key-range parts (mosaic_blocks.unit_walk); a
-part stores its normalised output in fp32 and its lse in log2 units, and
-triton_tail.combine merges each tile's parts into the output and lse in place.
+part stores its normalised output as a high and a low half in the input dtype
+and its lse in log2 units, and triton_tail.combine merges each tile's parts into
+the output and lse in place.
 
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
 warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
@@ -212,15 +213,24 @@ def forward(q, k, v, g: Geometry):
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b_idx, h, pl.ds(r0, bq)])
 
         def store_part():
-          # A tail part: its normalised output in fp32 (straight from registers,
-          # no fp32 staging buffer fits) and its lse in log2 units, for
-          # triton_tail.combine to merge with the tile's other parts.
-          o_part, lse_part = parts
+          # A tail part: its normalised output as a high and a low half in the
+          # input dtype (an fp32 staging buffer does not fit; the halves carry
+          # ~16 bits) and its lse in log2 units, both through the usual staging
+          # buffers and TMA, for triton_tail.combine to merge with the tile's
+          # other parts. (Storing fp32 straight from registers to global memory
+          # cost ~5-9 us per part, session 12.)
+          o_hi, o_lo, lse_part = parts
           rows = (t - tail.full, part, pl.ds(wg * bq, bq))
-          o_part.at[rows][...] = out
+          hi = out.astype(dtype)
+          my_o[...] = hi
           lse_smem.at[wg][...] = lse2
           plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(my_o, o_hi.at[rows])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_part.at[rows])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          my_o[...] = (out - hi.astype(jnp.float32)).astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(my_o, o_lo.at[rows])
 
         if tail is None:
           store_tile()
@@ -275,8 +285,8 @@ def forward(q, k, v, g: Geometry):
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
   if tail is not None:
     rows = (tail.count, tail.parts, 2 * bq)
-    out_type += (jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
-                 jax.ShapeDtypeStruct(rows, jnp.float32))
+    out_type += (jax.ShapeDtypeStruct(rows + (d,), dtype),) * 2 + (
+        jax.ShapeDtypeStruct(rows, jnp.float32),)
   outs = plgpu.kernel(
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
@@ -284,13 +294,12 @@ def forward(q, k, v, g: Geometry):
   )(q, k, v)
   if tail is None:
     return outs
-  out, lse, o_part, lse_part = outs
-  # Parts hold normalised outputs: weight 1 each, scaled by 2^(lse - max lse).
-  ones = jnp.ones(lse_part.shape, jnp.float32)
+  out, lse, o_hi, o_lo, lse_part = outs
 
   def coords(t):
     b_idx, h, tile = tile_coords(g, t)
     return tile, b_idx, h
 
-  return triton_tail.combine(out, lse, (o_part, lse_part, ones), tail, coords,
+  # Normalised parts (no l): each weighs 2^(lse - max lse).
+  return triton_tail.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
                              2 * bq, interpret=False)

@@ -17,7 +17,8 @@ is made where none beats a plain wave.
 
 The Mosaic-GPU persistent forward (mosaic_fwd.py) uses the same plan and this
 combine kernel for its last round of tiles; its parts store the normalised output
-with ``m`` = lse in log2 units and ``l`` = 1, which the same weights merge.
+(as a high and a low half in the input dtype) and ``m`` = lse in log2 units, with
+no ``l``: the same weights merge them.
 """
 
 from __future__ import annotations
@@ -86,47 +87,69 @@ def key_range(lo, hi, part, parts: int):
   return lo + (part * n) // parts, lo + ((part + 1) * n) // parts
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, out_in, lse_in, out_ref, lse_ref, *,
-                    tail: Tail):
-  del out_in, lse_in  # aliased to out_ref and lse_ref: only this block is written
+def _combine_kernel(*refs, tail: Tail, rows: int, n_acc: int, has_l: bool):
+  accs, (m_ref, *rest) = refs[:n_acc], refs[n_acc:]
+  l_ref = rest.pop(0) if has_l else None
+  _, _, out_ref, lse_ref = rest  # the first two are aliased to these
   u = pl.program_id(0)
-  ms = [m_ref[u, j] for j in range(tail.parts)]
+  sl = pl.ds(pl.program_id(1) * rows, rows)
+  ms = [m_ref[u, j, sl] for j in range(tail.parts)]
   top = functools.reduce(jnp.maximum, ms)
   top_safe = jnp.where(top == -jnp.inf, 0.0, top)
   ws = [jnp.exp2(m - top_safe) for m in ms]
-  l_sum = sum(w * l_ref[u, j] for j, w in enumerate(ws))
-  acc = sum(w[:, None] * acc_ref[u, j] for j, w in enumerate(ws))
-  ok = l_sum > 0
+  # Normalised parts (no l): each weighs 1, or 0 through its m = -inf.
+  l_sum = sum(w * (l_ref[u, j, sl] if has_l else 1.0) for j, w in enumerate(ws))
+  part = lambda j: sum(a[u, j, sl, :].astype(jnp.float32) for a in accs)
+  acc = sum(w[:, None] * part(j) for j, w in enumerate(ws))
+  ok = (top > -jnp.inf) & (l_sum > 0)
   l_safe = jnp.where(ok, l_sum, 1.0)
   out_ref[...] = (acc / l_safe[:, None]).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(ok, (top_safe + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+# Rows per merge program: a tail block's rows are spread over several programs so
+# that the merge's reads are not limited by one program per tail block (session
+# 12: 17 us for 68 blocks of 5 parts with one 4-warp program per block).
+COMBINE_ROWS = 32
 
 
 def combine(out, lse, partials, tail: Tail, coords, block_q: int, interpret: bool):
   """Writes the tail blocks of ``out [B, Sqp, H, Dv]`` and ``lse [B, H, Sqp]`` in
   place from ``partials = (acc [T, k, bq, Dv], m [T, k, bq], l [T, k, bq])``: acc
   and l are summed with base-2 weights relative to the parts' common row max (``m``
-  is in log2 units). ``coords(program) -> (q block, batch, head)``."""
-  def out_index(u):
-    i, b, h = coords(tail.full + u)
-    return b, i, h, 0
+  is in log2 units). ``acc`` may be a tuple of arrays whose fp32 sum is the part's
+  accumulator (e.g. a high and a low half), and ``l`` None for parts whose acc is
+  already normalised (``m`` then being the part's lse in log2 units).
+  ``coords(program) -> (q block, batch, head)``."""
+  accs, m, l = partials
+  accs = tuple(accs) if isinstance(accs, (tuple, list)) else (accs,)
+  partials = accs + (m,) + (() if l is None else (l,))
+  rows = min(COMBINE_ROWS, block_q)
+  chunks = block_q // rows
+  assert chunks * rows == block_q, (block_q, rows)
 
-  def lse_index(u):
+  def out_index(u, r):
     i, b, h = coords(tail.full + u)
-    return b, h, i
+    return b, i * chunks + r, h, 0
 
-  # The tail block's output and lse, read (aliased) and written by the same spec.
-  blocks = [pl.BlockSpec((None, block_q, None, out.shape[3]), out_index),
-            pl.BlockSpec((None, None, block_q), lse_index)]
+  def lse_index(u, r):
+    i, b, h = coords(tail.full + u)
+    return b, h, i * chunks + r
+
+  # The tail block's output and lse rows, read (aliased) and written by one spec.
+  blocks = [pl.BlockSpec((None, rows, None, out.shape[3]), out_index),
+            pl.BlockSpec((None, None, rows), lse_index)]
   return pl.pallas_call(
-      functools.partial(_combine_kernel, tail=tail),
-      grid=(tail.count,),
-      in_specs=[pl.BlockSpec(x.shape, lambda u, n=x.ndim: (0,) * n)
+      functools.partial(_combine_kernel, tail=tail, rows=rows, n_acc=len(accs),
+                        has_l=l is not None),
+      grid=(tail.count, chunks),
+      in_specs=[pl.BlockSpec(x.shape, lambda u, r, n=x.ndim: (0,) * n)
                 for x in partials] + blocks,
       out_specs=blocks,
       out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
                  jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
-      input_output_aliases={3: 0, 4: 1}, interpret=interpret,
+      input_output_aliases={len(partials): 0, len(partials) + 1: 1},
+      interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       name="flashjax_pallas_triton_fwd_tail",
   )(*partials, out, lse)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flashjax.common import conformance, spec, tolerances
-from flashjax.pallas_gpu import pallas_triton
+from flashjax.pallas_gpu import pallas_triton, triton_tail
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -151,7 +151,6 @@ def test_config_validation():
 # -- the forward's last wave split along the keys (triton_tail.py) -----------------
 
 def test_split_tail_plan():
-  from flashjax.pallas_gpu import triton_tail
   # B2 S8k H16 with 128-row programs, one per SM of an H100/H200: the 68 programs
   # of the 16th wave run as five key ranges each (three rounds of a fifth).
   tail = triton_tail.plan(2048, 132, 64)
@@ -204,12 +203,15 @@ def test_split_tail_lowers_for_cuda():
 SPLIT = dataclasses.replace(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_split_tail_forward_matches_whole_programs(dtype):
+@pytest.mark.parametrize("dtype,combine_rows", [("float32", 32), ("bfloat16", 32),
+                                                ("float32", 16)])
+def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypatch):
   """Interpret mode, small tiles, five programs at a time: the tail's parts
   combine to the unsplit output and lse (to rounding: the order of the sums
   differs), with the features that index by key tile (bias columns, mask,
-  segment ids), a soft cap, grouped heads and padded keys."""
+  segment ids), a soft cap, grouped heads and padded keys; with 16 merge rows,
+  each 32-row tail block is merged by two programs."""
+  monkeypatch.setattr(triton_tail, "COMBINE_ROWS", combine_rows)
   ks = jax.random.split(jax.random.key(7), 5)
   sq, sk = 200, 237  # 7 q blocks of 32, 15 key tiles of 16 (padded)
   q = jax.random.normal(ks[0], (2, sq, 4, 48), jnp.float32).astype(dtype)
