@@ -7,9 +7,9 @@ inputs of that shape, then the backward candidates (dQ and dK/dV tiles and
 pipeline depths, one launch or two) with the winning forward, and stores the
 winner in a JSON cache keyed by device kind and shape class. The default config
 competes in both rounds, so tuning never picks worse than the default as timed.
-Later calls, in this process or another, read the cache. The cache lives in ``$FLASHJAX_AUTOTUNE_CACHE``
-(default ``~/.cache/flashjax/pallas_mosaic_gpu.json``; keys start with
-``mosaic|``, so the file can be shared with the other platforms).
+Later calls, in this process or another, read the cache. The cache lives in
+``$FLASHJAX_AUTOTUNE_CACHE`` (default ``~/.cache/flashjax/pallas_mosaic_gpu.json``;
+keys start with ``mosaic|``, so the file can be shared with the other platforms).
 
 Only the Mosaic fields are tuned and cached; where the Pallas-Triton backward
 runs (D = 256), its tiles are resolved by that platform's own tuning.

@@ -114,20 +114,10 @@ def tiles_of_cta(g: Geometry, cta):
   return lax.div(num_units(g) - _i32(cta) + (g.num_ctas - 1), jnp.int32(g.num_ctas))
 
 
-def _unit(tail: triton_tail.Tail, u):
-  """triton_tail.unit with lax.div and lax.rem (operands >= 0), which Mosaic-GPU
-  lowers as plain scalar ops: unit -> (tile index, whole, part)."""
-  u = _i32(u)
-  whole = u < tail.full
-  rest = jnp.maximum(u - tail.full, 0)
-  t = jnp.where(whole, u, tail.full + lax.div(rest, jnp.int32(tail.parts)))
-  return t, whole, jnp.where(whole, 0, lax.rem(rest, jnp.int32(tail.parts)))
-
-
 def unit_tile(g: Geometry, u):
   """The tile index (for :func:`tile_coords`) of forward work item ``u``."""
   tail = tail_plan(g)
-  return _i32(u) if tail is None else _unit(tail, u)[0]
+  return _i32(u) if tail is None else triton_tail.unit(tail, _i32(u))[1]
 
 
 def unit_walk(g: Geometry, u):
@@ -139,12 +129,10 @@ def unit_walk(g: Geometry, u):
   if tail is None:
     t = _i32(u)
     return (t, jnp.bool_(True), _i32(0)) + cta_block_ranges(g, tile_coords(g, t)[2])
-  t, whole, part = _unit(tail, u)
-  parts = jnp.where(whole, 1, tail.parts)
+  whole, t, part = triton_tail.unit(tail, _i32(u))
   ranges, lo_c, hi_c = cta_block_ranges(g, tile_coords(g, t)[2])
-  n = hi_c - lo_c
-  k_lo = lo_c + lax.div(part * n, parts)
-  k_hi = lo_c + lax.div((part + 1) * n, parts)
+  # A whole tile is its own single part.
+  k_lo, k_hi = triton_tail.key_range(lo_c, hi_c, part, jnp.where(whole, 1, tail.parts))
   ranges = [tuple(_clamp(x, k_lo, k_hi) for x in rg) for rg in ranges]
   return t, whole, part, ranges, k_lo, k_hi
 

@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -66,25 +67,36 @@ def plan(programs: int, slots: int, kv_blocks: int) -> Tail | None:
   return None if best == 1 else Tail(programs - count, count, best)
 
 
+# Every operand below is >= 0, so truncating lax.div / lax.rem equal floor
+# division: plain scalar ops that both Pallas-Triton and Mosaic-GPU lower.
+def _div(a, b):
+  return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _rem(a, b):
+  return lax.rem(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
 def unit(tail: Tail, t):
   """Unit ``t`` -> (whole?, program, part); traced int32 in, traced out."""
   whole = t < tail.full
   rest = jnp.maximum(t - tail.full, 0)
-  program = jnp.where(whole, t, tail.full + rest // tail.parts)
-  return whole, program, jnp.where(whole, 0, rest % tail.parts)
+  program = jnp.where(whole, t, tail.full + _div(rest, tail.parts))
+  return whole, program, jnp.where(whole, 0, _rem(rest, tail.parts))
 
 
 def part_of(tail: Tail, t):
   """The (tail program, part) block of the partial outputs unit ``t`` writes
   (block (0, 0) for whole units, which write none)."""
   rest = jnp.maximum(t - tail.full, 0)
-  return rest // tail.parts, rest % tail.parts
+  return _div(rest, tail.parts), _rem(rest, tail.parts)
 
 
-def key_range(lo, hi, part, parts: int):
-  """Part ``part`` of ``parts`` near-equal consecutive pieces of ``[lo, hi)``."""
+def key_range(lo, hi, part, parts):
+  """Part ``part`` of ``parts`` (an int or a traced int32) near-equal
+  consecutive pieces of ``[lo, hi)``."""
   n = hi - lo
-  return lo + (part * n) // parts, lo + ((part + 1) * n) // parts
+  return lo + _div(part * n, parts), lo + _div((part + 1) * n, parts)
 
 
 def _combine_kernel(*refs, tail: Tail, rows: int, n_acc: int, has_l: bool):
