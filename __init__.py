@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from .api import (flash_attention, flash_mha, flash_mha_varlen,
                   get_cached_flash_attention)
 from .common.spec import FEATURES, AttentionSpec
+from .compat.jax_nn import dot_product_attention
 
-__all__ = ["flash_attention", "flash_mha", "flash_mha_varlen",
+__all__ = ["flash_attention", "dot_product_attention", "flash_mha", "flash_mha_varlen",
            "get_cached_flash_attention", "AttentionSpec", "FEATURES"]

@@ -1,0 +1,151 @@
+"""The compat entry points against the libraries' own meaning: ``dot_product_attention``
+against ``jax.nn.dot_product_attention`` (its XLA path, top-left alignment), and the
+lucidrains entries against flashjax's reference, called as that library's README
+calls them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax.compat import lucidrains
+from flashjax.common import reference
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _qkv(b, t, s, n, kh, h, seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+  k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
+  v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
+  return q, k, v, jax.random.normal(ks[3], (b, t, n, h), dtype)
+
+
+def _visible(b, n, t, s, is_causal, window, q_len, kv_len):
+  """Rows of jax.nn's result that see at least one key (elsewhere jax.nn gives
+  the mean of the values, flashjax 0)."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  m = np.ones((t, s), bool)
+  if is_causal:
+    m &= j <= i
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    m &= (i - left <= j) & (j <= i + right)
+  m = np.broadcast_to(m, (b, t, s)).copy()
+  if kv_len is not None:
+    m &= np.arange(s)[None, None, :] < np.asarray(kv_len)[:, None, None]
+  rows = m.any(-1)
+  if q_len is not None:
+    rows &= np.arange(t)[None, :] < np.asarray(q_len)[:, None]
+  return rows  # [b, t]
+
+
+CASES = [
+    dict(t=16, s=40, is_causal=True, grad=True),
+    dict(t=40, s=16, is_causal=True, window=3),
+    dict(t=16, s=40, window=(5, 2)),
+    dict(t=30, s=30, window=(0, 4), q_len=[30, 11], kv_len=[17, 30]),
+    dict(t=20, s=28, bias=True, mask=True, is_causal=True, kv_len=[28, 9], grad=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_dot_product_attention_matches_jax_nn(case):
+  b, n, kh, h = 2, 4, 2, 16
+  t, s = case["t"], case["s"]
+  q, k, v, do = _qkv(b, t, s, n, kh, h)
+  kw = dict(is_causal=case.get("is_causal", False),
+            local_window_size=case.get("window"))
+  r = np.random.default_rng(0)
+  if case.get("bias"):
+    kw["bias"] = jnp.asarray(r.normal(size=(1, n, t, s)), jnp.float32)
+  if case.get("mask"):
+    kw["mask"] = jnp.asarray(r.random((b, 1, t, s)) < 0.8)
+  for name in ("q_len", "kv_len"):
+    if name in case:
+      kw["query_seq_lengths" if name == "q_len" else "key_value_seq_lengths"] = (
+          jnp.asarray(case[name], jnp.int32))
+
+  # jax.nn's residual carries no gradient, so the loss is the output's alone.
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v, **kw) * do)
+
+  rows = _visible(b, n, t, s, kw["is_causal"], kw["local_window_size"],
+                  case.get("q_len"), case.get("kv_len"))
+  ours = jax.jit(lambda q, k, v: flashjax.dot_product_attention(
+      q, k, v, return_residual=True, **kw))(q, k, v)
+  want = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                      return_residual=True, **kw)
+  np.testing.assert_allclose(ours[0][rows], want[0][rows], **TOL)
+  np.testing.assert_allclose(ours[1][rows], want[1][rows], **TOL)
+  assert np.all(np.asarray(ours[0])[~rows] == 0)
+  assert np.all(np.isneginf(np.asarray(ours[1])[~rows]))
+  if case.get("grad"):
+    g_ours = jax.grad(lambda *a: loss(flashjax.dot_product_attention, *a),
+                      argnums=(0, 1, 2))(q, k, v)
+    g_want = jax.grad(lambda *a: loss(
+        lambda *x, **y: jax.nn.dot_product_attention(*x, implementation="xla", **y),
+        *a), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip(g_ours, g_want):
+      np.testing.assert_allclose(a, w, atol=5e-5, rtol=5e-5)
+
+
+def test_dot_product_attention_rank3_and_platform_list():
+  q, k, v, _ = _qkv(1, 12, 20, 2, 1, 8, seed=1)
+  want = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+  out = flashjax.dot_product_attention(q[0], k[0], v[0], is_causal=True,
+                                       implementation=["triton", "xla"])
+  assert out.shape == q[0].shape
+  np.testing.assert_allclose(out, want, **TOL)
+  out = flashjax.dot_product_attention(q[0], k[0], v[0], is_causal=True,
+                                       implementation="pallas-triton",
+                                       backend="gpu", interpret=True)
+  np.testing.assert_allclose(out, want, **TOL)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(implementation="cudnn"), "jax.nn's own kernel"),
+    (dict(implementation=[]), "implementation must be"),
+    (dict(local_window_size=-2), "local_window_size must be >= 0"),
+    (dict(local_window_size=(1, 2, 3)), "local_window_size must be None"),
+    (dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), "query_seq_lengths must"),
+    (dict(is_causal=1), "is_causal must be a bool"),
+])
+def test_dot_product_attention_errors(kw, match):
+  q, k, v, _ = _qkv(2, 8, 8, 2, 2, 8)
+  with pytest.raises(ValueError, match=match):
+    flashjax.dot_product_attention(q, k, v, **kw)
+
+
+def test_dot_product_attention_list_reports_every_reason():
+  q, k, v, _ = _qkv(1, 8, 8, 2, 2, 8)
+  with pytest.raises(NotImplementedError, match="triton.*\n.*pallas-triton"):
+    flashjax.dot_product_attention(q, k, v, implementation=["triton", "pallas-triton"],
+                                   backend="cpu")
+
+
+def test_lucidrains_readme_calls():
+  rng_key = jax.random.PRNGKey(42)
+  q = jax.random.normal(rng_key, (1, 2, 96, 32))  # (batch, heads, seq, dim)
+  k = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 96, 32))
+  v = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 96, 32))
+  mask = jax.random.randint(rng_key, (1, 96,), 0, 2)  # (batch, seq)
+  out, lse = lucidrains.flash_attention(q, k, v, mask)
+  assert out.shape == (1, 2, 96, 32) and lse.shape == (1, 2, 96)
+  np.testing.assert_allclose(out, lucidrains.plain_attention(q, k, v, mask), **TOL)
+
+  diff, (dq, dk, dv) = lucidrains.value_and_grad_difference(
+      lucidrains.plain_attention, lucidrains.flash_attention, seed=42, batch=2,
+      heads=2, q_seq_len=48, k_seq_len=80, dim=16)
+  assert float(diff) < 1e-3 and max(float(dq), float(dk), float(dv)) < 1e-4
+
+  q = jax.random.normal(rng_key, (3, 64, 16))  # leading axes, seq, dim
+  k = jax.random.normal(jax.random.PRNGKey(3), (3, 64, 16))
+  v = jax.random.normal(jax.random.PRNGKey(4), (3, 64, 16))
+  out, lse = lucidrains.causal_flash_attention(q, k, v)
+  assert out.shape == (3, 64, 16) and lse.shape == (3, 64)
+  want = reference.attention(q[None].swapaxes(1, 2), k[None].swapaxes(1, 2),
+                             v[None].swapaxes(1, 2), causal=True)
+  np.testing.assert_allclose(out, want[0].swapaxes(0, 1), **TOL)
