@@ -51,7 +51,14 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         Shape(name=f"B{16384 // s}-S{s // 1024}k-H{h}-D64", batch=16384 // s,
               seq_q=s, seq_k=s, heads_q=h, heads_kv=h, head_dim=64)
         for h in (12, 32) for s in (2048, 8192)),
-    # CPU: fp32, B=1, H=8, D=64 (the xla_cpu issue's table).
+    # Decode (GQA 32:8, D = 128): one-token steps and a 16-token chunk against a
+    # long cache; memory-bound, so compare bytes of K and V read per second.
+    "decode": tuple(
+        Shape(name=f"B{b}-Sq{sq}-Sk{sk // 1024}k-H32:8-D128", batch=b, seq_q=sq,
+              seq_k=sk, heads_q=32, heads_kv=8, head_dim=128, causal=sq > 1)
+        for b, sq, sk in ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096),
+                          (1, 1, 131072))),
+    # CPU: fp32, B=1, H=8, D=64.
     "cpu": tuple(
         Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,
               seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)

@@ -20,7 +20,7 @@ from .. import registry
 from ..common import autotune as tuning
 from ..common import epilogue, vjp
 from ..common import spec as spec_lib
-from . import pallas_triton
+from . import pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
 
 DTYPES = ("bfloat16", "float16")
@@ -180,6 +180,11 @@ def _pad(x, seq, d):
 
 
 def forward(ops, spec, static: _Static):
+  # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
+  # over the SMs instead (triton_decode.py).
+  if triton_decode.applies(spec):
+    return triton_decode.forward(ops, spec, triton_decode.DecodeConfig(),
+                                 registry.num_sms(), False)
   from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
   g = geometry(spec, static.config)
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),

@@ -13,7 +13,7 @@ from .. import registry
 from ..common import spec as spec_lib
 from ..common import autotune as tuning
 from ..common import epilogue, launch, vjp
-from . import autotune, triton_bwd, triton_fwd
+from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
 
@@ -85,6 +85,9 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
 
 
 def forward(ops, spec, static: _Static):
+  if triton_decode.applies(spec):
+    return triton_decode.forward(ops, spec, triton_decode.DecodeConfig(),
+                                 registry.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]

@@ -1,0 +1,206 @@
+"""Pallas-Triton split-KV forward for few queries against many keys (decode).
+
+A decode step has one q block per (batch, head), so the training forward, which
+parallelises over q blocks, leaves most SMs idle while it streams the cache. Here
+(FlashDecoding):
+
+- the q rows of all heads of one kv head are packed into the tile's rows
+  (``group_size * seq_q`` of them, row ``g * seq_q + s`` for head ``g``, query
+  ``s``), so each K/V tile is read once per kv head;
+- the grid is (splits, B, Hkv): each program runs the online softmax over its own
+  share of the key tiles and writes a normalised fp32 partial output and its lse;
+- ``combine`` merges the splits exactly through their lse in XLA (a few MB against
+  the GBs of cache read).
+
+Keys are read straight from ``[B, Sk, Hkv, D]`` with no padding copy: a ragged
+last tile is read from ``Sk - block_kv`` (overlapping the previous one) and the
+keys already counted are masked out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..common import epilogue
+from ..common import spec as spec_lib
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Rows of the packed q tile: the fp32 accumulator of 64 rows x 128 columns is 64
+# registers per thread over 4 warps.
+MAX_ROWS = 64
+MIN_ROWS = 16  # the smallest M of a tensor-core product in Triton
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+  """``num_splits``: key splits per (batch, kv head); 0 chooses from the SM count."""
+
+  block_kv: int = 128
+  num_splits: int = 0
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    if self.block_kv not in (16, 32, 64, 128, 256):
+      raise ValueError(f"block_kv must be a power of two in 16..256, got "
+                       f"{self.block_kv}")
+    if not isinstance(self.num_splits, int) or self.num_splits < 0:
+      raise ValueError(f"num_splits must be an int >= 0, got {self.num_splits!r}")
+
+
+def applies(spec: spec_lib.AttentionSpec) -> bool:
+  """Whether a call is decode-shaped and within this kernel's features: few packed
+  rows, power-of-two heads, and no per-element operand (bias, mask, segment ids,
+  dropout), which the training forward handles."""
+  rows = spec.seq_q * spec.group_size
+  return (rows <= MAX_ROWS and spec.seq_k >= 4 * MIN_ROWS and spec.seq_k >= 2 * rows
+          and spec.head_dim in HEAD_DIMS and spec.head_dim_v in HEAD_DIMS
+          and spec.bias_shape is None and spec.mask_shape is None
+          and not spec.has_segment_ids and spec.dropout_rate == 0)
+
+
+def _rows(spec) -> int:
+  return max(MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
+
+
+def _block_kv(spec, cfg: DecodeConfig) -> int:
+  # A tile must fit inside the keys: the ragged tile is read from Sk - block_kv.
+  return min(cfg.block_kv, 1 << (spec.seq_k.bit_length() - 1))
+
+
+def key_blocks(spec, bk: int) -> tuple[int, int]:
+  """Tiles ``[first, last)`` that the band lets any query reach."""
+  lo, hi = spec.band.kv_bounds(0, spec.seq_q)
+  if hi <= lo:
+    return 0, 0
+  return lo // bk, -(-hi // bk)
+
+
+def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
+  """``cfg.num_splits``, else enough splits for about four programs per SM (the
+  kernel is bound by memory latency, so each SM needs several tiles in flight),
+  each split keeping at least two tiles."""
+  first, last = key_blocks(spec, _block_kv(spec, cfg))
+  blocks = max(last - first, 1)
+  if cfg.num_splits:
+    return max(1, min(cfg.num_splits, blocks))
+  programs = spec.batch * spec.heads_kv
+  want = -(-4 * sms // programs)
+  return max(1, min(want, blocks // 2 or 1, 128))
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
+            rows, precision):
+  split = pl.program_id(0)
+  q = q_ref[...]
+  band = spec.band
+  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+  query = row % spec.seq_q
+  real = row < spec.seq_q * spec.group_size
+  diag = query + band.offset
+  cap = spec.logits_soft_cap
+  mult = spec.softmax_scale * LOG2E
+
+  def body(j, carry):
+    acc, m, l = carry
+    start = jnp.minimum(j * bk, spec.seq_k - bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+    if cap is not None:
+      s = cap * jnp.tanh(s * (spec.softmax_scale / cap))
+      scale2 = LOG2E
+    else:
+      scale2 = mult
+    pos = start + col
+    ok = real & (pos >= j * bk)
+    if band.right is not None:
+      ok &= pos <= diag + band.right
+    if band.left is not None:
+      ok &= pos >= diag - band.left
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s * scale2 - (m_safe * scale2)[:, None])
+    alpha = jnp.exp2((m - m_safe) * scale2)
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, precision=precision,
+                                         preferred_element_type=jnp.float32)
+    return acc, m_new, l
+
+  j0 = first + split * per
+  j1 = jnp.minimum(j0 + per, last)
+  init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
+          jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(j0, j1, body, init)
+  nonempty = l > 0
+  safe_l = jnp.where(nonempty, l, 1.0)
+  o_ref[...] = acc / safe_l[:, None]
+  scale2 = LOG2E if cap is not None else mult
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  lse_ref[...] = jnp.where(nonempty, m_safe * scale2 * LN2 + jnp.log(safe_l),
+                           -jnp.inf)
+
+
+def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
+  """Per-split ``out [splits, B, Hkv, rows, Dv]`` and ``lse [splits, B, Hkv, rows]``
+  (fp32, natural log, -inf where a split saw no key) of the packed q rows."""
+  b, sq, hq, d = q.shape
+  hkv, g, dv = spec.heads_kv, spec.group_size, spec.head_dim_v
+  rows = _rows(spec)
+  bk = _block_kv(spec, cfg)
+  first, last = key_blocks(spec, bk)
+  per = -(-(last - first) // splits) if last > first else 0
+  packed = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
+      b, hkv, g * sq, d)
+  packed = jnp.pad(packed, ((0, 0), (0, 0), (0, rows - g * sq), (0, 0)))
+  precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
+  kernel = functools.partial(_kernel, spec=spec, bk=bk, first=first, per=per,
+                             last=last, rows=rows, precision=precision)
+  return pl.pallas_call(
+      kernel,
+      grid=(splits, b, hkv),
+      in_specs=[pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
+                pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
+                pl.BlockSpec((None, spec.seq_k, None, dv),
+                             lambda s, i, h: (i, 0, h, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, dv),
+                              lambda s, i, h: (s, i, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
+      interpret=interpret, name="flashjax_pallas_triton_decode",
+  )(packed, k, v)
+
+
+def combine(out_parts, lse_parts, spec):
+  """The splits merged through their lse: ``out [B, Sq, Hq, Dv]`` (fp32) and ``lse
+  [B, Hq, Sq]``; rows no split reached give 0 and -inf."""
+  lse = jax.nn.logsumexp(lse_parts, axis=0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_parts - lse), 0.0)
+  out = jnp.sum(w[..., None] * out_parts, axis=0)
+  b, hkv, g, sq = spec.batch, spec.heads_kv, spec.group_size, spec.seq_q
+  out = out[:, :, :g * sq].reshape(b, hkv, g, sq, -1).transpose(0, 3, 1, 2, 4)
+  lse = lse[:, :, :g * sq].reshape(b, hkv * g, sq)
+  return out.reshape(b, sq, hkv * g, -1), lse
+
+
+def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec, cfg: DecodeConfig,
+            sms: int, interpret: bool):
+  """``(out, lse)`` of a decode-shaped call (:func:`applies`), sinks included."""
+  splits = num_splits(spec, cfg, sms)
+  o, lse = partials(ops.q, ops.k, ops.v, spec, cfg, splits, interpret)
+  out, lse = combine(o, lse, spec)
+  return epilogue.finish_forward(out.astype(ops.q.dtype), lse, spec, ops.sinks)
