@@ -55,7 +55,7 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     # long cache; memory-bound, so compare bytes of K and V read per second.
     "decode": tuple(
         Shape(name=f"B{b}-Sq{sq}-Sk{sk // 1024}k-H32:8-D128", batch=b, seq_q=sq,
-              seq_k=sk, heads_q=32, heads_kv=8, head_dim=128, causal=sq > 1)
+              seq_k=sk, heads_q=32, heads_kv=8, head_dim=128)
         for b, sq, sk in ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096),
                           (1, 1, 131072))),
     # CPU: fp32, B=1, H=8, D=64.
