@@ -49,9 +49,10 @@ def _fmt(x, spec):
 
 
 def table(rows: list[Row], baseline: str) -> str:
-  head = ["impl", "shape", "dir", "ms", "TFLOP/s", f"x {baseline}", "compiled MiB",
-          "alloc peak MiB", "status"]
-  body = [[r.impl, r.shape, r.direction, _fmt(r.ms, ".2f"), _fmt(r.tflops, ".3g"),
+  head = ["impl", "shape", "dir", "ms", "TFLOP/s", "K+V GB/s", f"x {baseline}",
+          "compiled MiB", "alloc peak MiB", "status"]
+  body = [[r.impl, r.shape, r.direction, _fmt(r.ms, ".3f" if (r.ms or 0) < 10 else ".1f"),
+           _fmt(r.tflops, ".3g"), _fmt(r.gbs, ".0f"),
            _fmt(r.ratio, ".2f"), _fmt(r.compiled_mib, ".1f"),
            _fmt(r.alloc_peak_mib, ".0f"), r.status] for r in rows]
   widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]

@@ -24,23 +24,29 @@ class Row:
   direction: str
   ms: float | None = None
   tflops: float | None = None
+  # Bytes of K and V read per second by a forward: the figure of merit where the
+  # call is memory-bound (decode).
+  gbs: float | None = None
   ratio: float | None = None  # baseline time / this time (> 1 is faster)
   compiled_mib: float | None = None  # arguments + outputs + temporaries
   alloc_peak_mib: float | None = None  # GPU allocator peak so far in the process
   status: str = "ok"
 
 
-def random_inputs(shape: Shape, dtype, seed: int = 0, seq: int | None = None,
+def random_inputs(shape: Shape, dtype, seed: int = 0, max_seq: int | None = None,
                   batch: int | None = None, heads: int | None = None):
-  """Normal random q, k, v, do (never zeros)."""
-  s = seq or shape.seq_q
+  """Normal random q, k, v, do (never zeros); ``max_seq`` caps both lengths."""
+  sq, sk = shape.seq_q, shape.seq_k
+  if max_seq:
+    sq, sk = min(sq, max_seq), min(sk, max_seq)
   b = batch or shape.batch
   hq = heads or shape.heads_q
   hkv = max(1, hq * shape.heads_kv // shape.heads_q)
   keys = jax.random.split(jax.random.key(seed), 4)
-  mk = lambda key, h, d: jax.random.normal(key, (b, s, h, d), jnp.float32).astype(dtype)
-  return (mk(keys[0], hq, shape.head_dim), mk(keys[1], hkv, shape.head_dim),
-          mk(keys[2], hkv, shape.head_dim_v), mk(keys[3], hq, shape.head_dim_v))
+  mk = lambda key, s, h, d: jax.random.normal(key, (b, s, h, d),
+                                              jnp.float32).astype(dtype)
+  return (mk(keys[0], sq, hq, shape.head_dim), mk(keys[1], sk, hkv, shape.head_dim),
+          mk(keys[2], sk, hkv, shape.head_dim_v), mk(keys[3], sq, hq, shape.head_dim_v))
 
 
 def functions(fn, causal: bool):
@@ -79,8 +85,8 @@ def check(fn, shape: Shape, dtype) -> str:
   """Runs ``fn`` on a smaller slice (B=1, S<=512, <=2 kv heads) against the
   reference; returns "ok" or why the implementation is wrong."""
   heads = shape.heads_q // shape.heads_kv * min(shape.heads_kv, 2)
-  q, k, v, _ = random_inputs(shape, dtype, seed=1, seq=min(shape.seq_q, 512),
-                             batch=1, heads=heads)
+  q, k, v, _ = random_inputs(shape, dtype, seed=1, max_seq=512, batch=1,
+                             heads=heads)
   try:
     out = np.asarray(jax.jit(lambda q, k, v: fn(q, k, v, shape.causal))(q, k, v),
                      np.float32)
@@ -151,7 +157,9 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     peak = allocator_peak_mib()
     for d in directions:
       ms = mine[d]
+      kv_bytes = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize
       rows.append(Row(**base, direction=d, ms=ms,
                       tflops=shape_flops(shape, d) / (ms * 1e-3) / 1e12 if ms > 0 else None,
+                      gbs=kv_bytes / (ms * 1e-3) / 1e9 if ms > 0 and d == "fwd" else None,
                       compiled_mib=mem[d], alloc_peak_mib=peak))
   return rows

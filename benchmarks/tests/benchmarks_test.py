@@ -242,3 +242,16 @@ def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
   got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
   assert set(got) == {(8, 4), (4, 8)}
   assert all(0 < mn <= med for mn, med in got.values())
+
+
+def test_decode_shapes_get_their_key_length_and_bandwidth():
+  shape = Shape(name="decode", batch=2, seq_q=1, seq_k=300, heads_q=4, heads_kv=2,
+                head_dim=16)
+  q, k, v, do = timing.random_inputs(shape, jnp.float32)
+  assert q.shape == (2, 1, 4, 16) and k.shape == v.shape == (2, 300, 2, 16)
+  assert do.shape == q.shape
+  rows = timing.run_shape({"xla": impls.IMPLS["xla"].build()}, shape, jnp.float32,
+                          ["fwd"], iters=1, repeats=1)
+  assert rows[0].status == "ok"
+  assert rows[0].gbs == pytest.approx(2 * k.size * 4 / (rows[0].ms * 1e-3) / 1e9)
+  assert [s.seq_k for s in get("decode")] == [8192, 65536, 4096, 131072]
