@@ -1,6 +1,6 @@
 """Where a call's wall time goes on the GPU: kernels vs the gaps between them.
 
-  python -m flashjax.benchmarks.launch_gaps IMPLS SHAPES [N]
+  python -m tools.launch_gaps IMPLS SHAPES [N]
 
 IMPLS are benchmark names (``pallas,jax-cudnn``); SHAPES are name prefixes in the
 ``standard`` set (``B2-S8k`` takes its causal and non-causal rows). Each forward

@@ -7,7 +7,7 @@ runs one tiny descriptor copy kernel in a child process (a bad launch can poison
 the CUDA context) and prints the kernel's scratch size and whether the result
 is right. Used to decide whether triton_gpu can offer a TMA path.
 
-  python -m flashjax.benchmarks.triton_tma_probe
+  python -m tools.triton_tma_probe
 """
 
 import subprocess
@@ -44,7 +44,7 @@ def main():
   if sys.argv[1:] == ["--child"]:
     return child()
   try:
-    res = subprocess.run([sys.executable, "-m", "flashjax.benchmarks.triton_tma_probe",
+    res = subprocess.run([sys.executable, "-m", "tools.triton_tma_probe",
                           "--child"], capture_output=True, text=True, timeout=120)
     print(res.stdout.strip() or "(no output)")
     if res.returncode:

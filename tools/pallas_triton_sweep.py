@@ -1,7 +1,7 @@
 """Device-run sweep of Pallas-Triton forward tiles on a shape set, with JAX's
 Pallas-Triton example timed in the same process for ratios.
 
-  python -m flashjax.benchmarks.pallas_triton_sweep [shape_set] [cand ...]
+  python -m tools.pallas_triton_sweep [shape_set] [cand ...]
 
 A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
 ``-`` is the default config. Trailing ``,fold``/``,nofold`` and ``,split``/
@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import sys
 
-from flashjax.benchmarks import sweeps
+from tools import sweeps
 from flashjax.benchmarks.impls import _jax_pallas_triton
 from flashjax.common.spec import canonicalize
 from flashjax.pallas_gpu import pallas_triton

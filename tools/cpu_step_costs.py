@@ -1,7 +1,7 @@
 """What one online-softmax block step costs on this CPU, per tile shape, and the
 causal/non-causal time ratio the xla_cpu block schedule can reach with those costs.
 
-  python -m flashjax.benchmarks.cpu_step_costs [--seqs 2048,4096] [--rounds 12]
+  python -m tools.cpu_step_costs [--seqs 2048,4096] [--rounds 12]
 
 A step is a stand-alone copy of the xla_cpu forward's block update (q.k^T, row
 max, exp, row sum, P.V, rescale) on ``[B=1, H, rows, D] x [keys]`` tiles: the

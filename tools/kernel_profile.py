@@ -2,7 +2,7 @@
 
 Run under ``ncu --profile-from-start off --csv --page details ...``::
 
-  python -m flashjax.benchmarks.kernel_profile run IMPLS SHAPES [--causal 0,1]
+  python -m tools.kernel_profile run IMPLS SHAPES [--causal 0,1]
 
 SHAPES are name prefixes in the ``standard`` set (``B2-S8k`` takes its causal
 and non-causal rows). Each (implementation, shape) is compiled and warmed up

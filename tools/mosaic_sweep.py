@@ -1,8 +1,8 @@
 """Device-run sweep of Mosaic-GPU configs on a shape set, with cuDNN timed in the
 same process for ratios.
 
-  python -m flashjax.benchmarks.mosaic_sweep [shape_set] [name=value,... ...]
-  python -m flashjax.benchmarks.mosaic_sweep --bwd [shape_set] [name=value,... ...]
+  python -m tools.mosaic_sweep [shape_set] [name=value,... ...]
+  python -m tools.mosaic_sweep --bwd [shape_set] [name=value,... ...]
 
 Each candidate is a set of MosaicConfig fields, e.g. ``block_kv=64,stages=3`` or
 ``persistent=0`` (``-`` is the default config). The forward sweep times the
@@ -15,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from flashjax.benchmarks import sweeps
+from tools import sweeps
 from flashjax.common import shapes
 from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import mosaic

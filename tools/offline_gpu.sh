@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# For the lent GPU machine (no network): installs the carried wheels (.whl/ and, when
-# present, .peers/) into /tmp/site, makes `import flashjax` point at this checkout,
-# then runs each stage named on the command line, logging under $OUT:
+# Runs flashjax on a GPU host that has no network. The wheels it needs (jax with
+# its CUDA plugin, triton, jax-triton; peers to benchmark against in .peers/) are
+# carried in the checkout's .whl/ (git-ignored) and installed into /tmp/site;
+# `import flashjax` is pointed at this checkout. Then it runs one stage, logging
+# under $OUT (default /tmp/out):
 #   test [pytest args]   the test suite on the GPU
-#   bench [cli args]     python -m flashjax.benchmarks
+#   bench [cli args]     python -m flashjax.benchmarks (output under $OUT/bench)
 #   info                 versions and devices
-#   py MODULE [args]     python -m MODULE (e.g. flashjax.benchmarks.mosaic_check)
+#   py MODULE [args]     python -m MODULE from the checkout (e.g. tools.mosaic_sweep)
+# Example: bash tools/offline_gpu.sh test pallas_gpu/tests/mosaic_test.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
