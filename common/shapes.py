@@ -33,7 +33,8 @@ def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384)):
 
 
 SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
-    # PERFORMANCE.md's standard set: B*S = 16k tokens, H = 16, D = 128.
+    # The standard training set (as in FlashAttention-2/3's benchmarks): B*S = 16k
+    # tokens, H = 16, D = 128.
     "standard": _training(),
     "head_dim": tuple(
         Shape(name=f"B2-S8k-H{2048 // d}-D{d}" + ("-causal" if c else ""),
@@ -51,7 +52,7 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         Shape(name=f"B{16384 // s}-S{s // 1024}k-H{h}-D64", batch=16384 // s,
               seq_q=s, seq_k=s, heads_q=h, heads_kv=h, head_dim=64)
         for h in (12, 32) for s in (2048, 8192)),
-    # CPU: fp32, B=1, H=8, D=64 (the xla_cpu issue's table).
+    # CPU: fp32, B=1, H=8, D=64 (the CPU table of docs/BENCHMARKS.md).
     "cpu": tuple(
         Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,
               seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)
