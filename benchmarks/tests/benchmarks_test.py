@@ -4,8 +4,6 @@ import csv
 import os
 
 import jax.numpy as jnp
-import numpy as np
-import pytest
 
 from flashjax.benchmarks import cli, impls, report, timing
 from flashjax.common.shapes import Shape, get

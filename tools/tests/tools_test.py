@@ -6,6 +6,7 @@ import numpy as np
 
 from flashjax.common.shapes import get
 
+
 def test_pallas_triton_sweep_parses_candidates():
   import jax
   from tools import pallas_triton_sweep
