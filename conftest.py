@@ -1,6 +1,6 @@
 """pytest configuration for running the suite from a checkout.
 
-The repository root is the package ``flashjax`` (see DESIGN.md), so every test
+The repository root is the package ``flashjax`` (see docs/DESIGN.md), so every test
 directory sits inside packages. pytest imports each package's ``__init__.py`` to
 look for package-level setup functions, naming it after the checkout's folder; in a
 clone whose folder is not a valid identifier (``ci-check``) the root and platform

@@ -1,10 +1,11 @@
 """``python -m flashjax.benchmarks``: every implementation side by side.
 
-Runs forward, backward (time of forward+backward minus forward, as in
-PERFORMANCE.md) and forward+backward of the chosen implementations, one process,
-one device, on named shape sets from ``flashjax.common.shapes``; checks each
-implementation against the reference on a small slice first (a wrong one is
-flagged, not ranked); prints a table and writes CSV, Markdown and PNG plots.
+Runs forward, backward (time of forward+backward minus forward) and
+forward+backward of the chosen implementations, one process, one device, on named
+shape sets from ``flashjax.common.shapes``; checks each implementation against the
+reference on a small slice first (a wrong one is flagged, not ranked); prints a
+table and writes CSV, Markdown and PNG plots to ``--out`` (default a new folder
+under ``./flashjax-bench/`` in the current directory, never inside the package).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _parser():
                  "jax-xla at B=1, H=8, D=64 (compile only)")
   p.add_argument("--quick", action="store_true",
                  help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
-  p.add_argument("--out", help="output folder (default benchmarks/results/<time>)")
+  p.add_argument("--out", help="output folder (default ./flashjax-bench/<time>, "
+                 "under the current directory)")
   p.add_argument("--no-plot", action="store_true")
   p.add_argument("--autotune", action="store_true",
                  help="let tunable flashjax kernels time their candidates first "
@@ -72,6 +74,15 @@ def shape_list(set_names):
   head_dim and gqa all hold B2-S8k-H16-D128), and a shape run twice paired each
   row's ratio with the other run's baseline."""
   return list({s.name: s for name in set_names for s in shapes_lib.get(name)}.values())
+
+
+def output_dir(out: str | None) -> str:
+  """The folder the results go to: ``out`` if given, else a new time-stamped
+  folder under ``./flashjax-bench`` (an installed package's folder is not the
+  user's to write into)."""
+  if out:
+    return out
+  return os.path.join(os.getcwd(), "flashjax-bench", time.strftime("%Y%m%d-%H%M%S"))
 
 
 def main(argv=None):
@@ -109,8 +120,7 @@ def main(argv=None):
       skipped[n] = reason
     else:
       built[n] = fn
-  out_dir = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                     time.strftime("%Y%m%d-%H%M%S"))
+  out_dir = output_dir(args.out)
   os.makedirs(out_dir, exist_ok=True)
   rows, t0 = [], time.time()
   # Per shape, every implementation is timed in interleaved rounds

@@ -33,7 +33,7 @@ def delta(out, do, dlse):
   # transpose the small result apart: XLA GPU fuses the transposed reduction
   # (and the kernels' stats concatenation) into one kernel that took 275-290 us
   # at B8 S2k / B2 S8k H16 D128, against 44-55 us this way and 68 us for cuDNN's
-  # own (H200, 2026-11-22, benchmarks/NOTES.md session 8).
+  # own (H200, 2026-11-22, docs/BENCHMARKS.md).
   rows = jax.lax.optimization_barrier(
       jnp.sum(do.astype(acc) * out.astype(acc), axis=-1))
   return jnp.swapaxes(rows, 1, 2) - dlse.astype(acc)

@@ -33,7 +33,8 @@ def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384)):
 
 
 SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
-    # PERFORMANCE.md's standard set: B*S = 16k tokens, H = 16, D = 128.
+    # The standard training set (as in FlashAttention-2/3's benchmarks): B*S = 16k
+    # tokens, H = 16, D = 128.
     "standard": _training(),
     "head_dim": tuple(
         Shape(name=f"B2-S8k-H{2048 // d}-D{d}" + ("-causal" if c else ""),
@@ -58,7 +59,7 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
               seq_k=sk, heads_q=32, heads_kv=8, head_dim=128)
         for b, sq, sk in ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096),
                           (1, 1, 131072))),
-    # CPU: fp32, B=1, H=8, D=64.
+    # CPU: fp32, B=1, H=8, D=64 (the CPU table of docs/BENCHMARKS.md).
     "cpu": tuple(
         Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,
               seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)

@@ -57,7 +57,7 @@ class MosaicConfig:
       as key ranges merged by a small second kernel (triton_tail.py); applies to
       the full band only, where the plan finds a split that pays. The default
       config turns it on for D <= 64 with more than 2048 keys only. On an H200
-      (session 12, device time per call) it made the D = 64 B2 S8k H32 forward
+      (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward
       4.8% faster; at D = 128 it was 1.1% faster at B2 S8k but 1.4% slower at
       B8 S2k and mixed at B1 S16k, so it stays off there.
   """
@@ -249,7 +249,7 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
 
 
 def flash_attention(q, k, v, *, config: MosaicConfig | None = None, **kwargs):
-  """Mosaic-GPU flash attention (Hopper); the contract of DESIGN.md minus bias,
+  """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus bias,
   mask, segment ids and dropout."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config)

@@ -218,7 +218,7 @@ def forward(q, k, v, g: Geometry):
           # ~16 bits) and its lse in log2 units, both through the usual staging
           # buffers and TMA, for triton_tail.combine to merge with the tile's
           # other parts. (Storing fp32 straight from registers to global memory
-          # cost ~5-9 us per part, session 12.)
+          # cost ~5-9 us per part on an H200, 2026-11-23.)
           o_hi, o_lo, lse_part = parts
           rows = (t - tail.full, part, pl.ds(wg * bq, bq))
           hi = out.astype(dtype)

@@ -34,9 +34,9 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 # Backward tiles for heads wider than 128: 64x64 over 8 warps (the dK/dV or dQ
 # accumulators of a 256-wide head take half the registers per thread of 4 warps):
 # 1.61-1.64x / 1.43-1.47x (causal) the 32x32 4-warp 1-stage tiles at B2 S8k H8 D256 (H200,
-# 2026-11-22, benchmarks/NOTES.md session 8); 3 stages or 128-wide tiles do not
+# 2026-11-22, docs/BENCHMARKS.md); 3 stages or 128-wide tiles do not
 # fit shared memory. Also with a full fp32 bias at bf16 (1.44x at B1 S4k H8; GPU
-# tests with a bias, mask or segment ids at 2 bytes: session 9); where a bias or
+# tests with a bias, mask or segment ids at 2 bytes passed there); where a bias or
 # mask tile would overflow, fit_to_shared_memory halves the streamed side.
 WIDE_BWD = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
 
@@ -56,7 +56,7 @@ def default_config(spec: spec_lib.AttentionSpec,
   elif d <= 128:
     # The H200 autotune winner for D = 128 at S >= 8k; keys up to 2k run better
     # in 4-warp 128x64 programs with 2 stages, two per SM (1.22x JAX's example
-    # vs 1.17x at B8 S2k, 1.00x vs 1.15x at B1 S16k: reports/*-pallas-triton-sweeps).
+    # vs 1.17x at B8 S2k, 1.00x vs 1.15x at B1 S16k: docs/reports/*-pallas-triton-sweeps).
     # Long keys: causal programs paired (fold_causal), 1.20-1.23x vs 1.12-1.16x
     # at B1 S16k causal; with the short-key tiles folding gave 1.00x vs 1.17x.
     # Long keys at 2 bytes also split the forward's last wave (split_tail): these
@@ -144,7 +144,7 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
 
 def flash_attention(q, k, v, *, config: TritonConfig | None = None,
                     interpret: bool = False, **kwargs):
-  """Pallas-Triton flash attention; the contract of DESIGN.md. fp32 inputs use
+  """Pallas-Triton flash attention; the contract of docs/DESIGN.md. fp32 inputs use
   full-precision (IEEE) products unless ``config.fp32_precision == "tf32"``."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config, interpret)

@@ -78,7 +78,7 @@ def _kernel(*refs, plan: tp.Plan, names, fold: bool, tail):
     block(p)
     return
   # Heaviest block first: on an H200 that order, not the light-first one,
-  # gave the long-key gain (benchmarks/NOTES.md, session 7).
+  # gave the long-key gain (2026-11-22, docs/BENCHMARKS.md).
   n = plan.num_q_blocks
   block(n - 1 - p)
   if n % 2:

@@ -29,7 +29,7 @@ class TritonConfig(KernelsConfig):
   window edge) each forward program runs q block ``n - 1 - p`` and then block
   ``p``, so every program does the same work (n + 1 kv tiles) and the grid has no
   tail of long programs. 1.20-1.23x vs 1.12-1.16x JAX's example at B1 S16k
-  causal on an H200 with 128x128 8-warp tiles (benchmarks/NOTES.md, session 7);
+  causal on an H200 with 128x128 8-warp tiles (2026-11-22, docs/BENCHMARKS.md);
   off by default for explicit configs, on where default_config measured it.
 
   ``split_tail``: a non-causal forward (full band, no dropout) whose programs fill
@@ -218,7 +218,7 @@ def exp2(x, plan: Plan):
   """``2 ** x``. jnp.exp2 lowers to libdevice's exp2f, which keeps fp32
   denormal results; the bare ``ex2.approx.ftz`` flushes them to 0 (no softmax
   weight that matters is that small) and made the D = 128 forward 5-6% faster on
-  an H200 (benchmarks/NOTES.md, session 6)."""
+  an H200 (2026-11-22, docs/BENCHMARKS.md)."""
   if not plan.fast_exp2 or x.dtype != jnp.float32:
     return jnp.exp2(x)
   return plgpu.elementwise_inline_asm(

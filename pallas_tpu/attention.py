@@ -86,7 +86,7 @@ def attention_from_operands(ops, spec, config: TpuConfig | None = None,
 
 def flash_attention(q, k, v, *, config: TpuConfig | None = None,
                     interpret: bool = False, **kwargs):
-  """Pallas Mosaic-TPU flash attention; the contract of DESIGN.md.
+  """Pallas Mosaic-TPU flash attention; the contract of docs/DESIGN.md.
 
   ``interpret=True`` runs the kernels in Pallas TPU interpret mode (any backend),
   which is how this project verifies them: no TPU was available.

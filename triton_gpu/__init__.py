@@ -61,7 +61,7 @@ def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None
 
 
 def flash_attention(q, k, v, *, config: TritonKernelsConfig | None = None, **kwargs):
-  """Triton flash attention through jax-triton; the contract of DESIGN.md."""
+  """Triton flash attention through jax-triton; the contract of docs/DESIGN.md."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config)
   return (out, lse) if spec.return_lse else out

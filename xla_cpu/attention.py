@@ -24,7 +24,7 @@ def attention_from_operands(ops, spec, config: XlaConfig | None = None):
 
 
 def flash_attention(q, k, v, *, config: XlaConfig | None = None, **kwargs):
-  """Blockwise exact attention in plain JAX; the contract of DESIGN.md.
+  """Blockwise exact attention in plain JAX; the contract of docs/DESIGN.md.
 
   Args:
     q, k, v: ``[B, Sq, Hq, D]``, ``[B, Sk, Hkv, D]``, ``[B, Sk, Hkv, Dv]``.

@@ -36,7 +36,7 @@ def default_config(spec, backend: str | None = None) -> XlaConfig:
   """Heuristic per backend.
 
   On CPU, 512 x 256 blocks were fastest of {256, 512} x {256, 512} and 128 x 1024
-  (2-core x86 CI machine, fp32, H=8, D=64, S=2048/4096: benchmarks/NOTES.md);
+  (2-core x86 CI machine, fp32, H=8, D=64, S=2048/4096: docs/BENCHMARKS.md);
   smaller blocks would skip more of a causal problem but each step runs its
   matmuls less efficiently.
   """

@@ -132,7 +132,7 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
 
 
 def test_split_tail_default_where_it_was_measured_to_pay():
-  """On by default for D <= 64 with more than 2048 keys only (H200, session 12)."""
+  """On by default for D <= 64 with more than 2048 keys only (H200, 2026-11-23)."""
   s = lambda d, seq: spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=12,
                                             head_dim=d, dtype="bfloat16")
   assert mosaic.default_config(s(64, 8192)).split_tail

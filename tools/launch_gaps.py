@@ -1,0 +1,111 @@
+"""Where a call's wall time goes on the GPU: kernels vs the gaps between them.
+
+  python -m tools.launch_gaps IMPLS SHAPES [N]
+
+IMPLS are benchmark names (``pallas,jax-cudnn``); SHAPES are name prefixes in the
+``standard`` set (``B2-S8k`` takes its causal and non-causal rows). Each forward
+and each backward (the vjp alone) runs N times back to back under
+``jax.profiler``; from the trace's device events it prints, per call, the host
+wall time, the span from the first kernel's start to the last one's end, the
+summed kernel time and the idle time inside the span, and the kernels by total
+time. A CLI ratio that differs from the kernels' ratio (Nsight Compute) shows
+up here as idle device time or as host time outside the span.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def device_events(trace_dir: str):
+  """``[(name, ts_us, dur_us)]`` of the GPU streams' complete events."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                          recursive=True))[-1]
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"]
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and
+              e.get("name") == "process_name" and
+              "GPU" in str(e.get("args", {}).get("name", ""))}
+  return sorted(((e["name"], e["ts"], e.get("dur", 0)) for e in events
+                 if e.get("ph") == "X" and e.get("pid") in gpu_pids), key=lambda e: e[1])
+
+
+def summarize(events, n: int):
+  """Span, busy and idle time per call (us) and per-kernel totals per call."""
+  if not events:
+    return None
+  start = min(ts for _, ts, _ in events)
+  end = max(ts + dur for _, ts, dur in events)
+  # Busy time as the union of intervals (streams may overlap).
+  busy, cur_s, cur_e = 0.0, None, None
+  for _, ts, dur in sorted(events, key=lambda e: e[1]):
+    if cur_e is None or ts > cur_e:
+      busy += 0 if cur_e is None else cur_e - cur_s
+      cur_s, cur_e = ts, ts + dur
+    else:
+      cur_e = max(cur_e, ts + dur)
+  busy += cur_e - cur_s
+  kernels = collections.defaultdict(float)
+  for name, _, dur in events:
+    kernels[name] += dur / n
+  span = (end - start) / n
+  return span, busy / n, span - busy / n, kernels
+
+
+def measure(fn, args, n: int):
+  import jax
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      t0 = time.perf_counter()
+      for _ in range(n):
+        out = f(*args)
+      jax.block_until_ready(out)
+      wall = (time.perf_counter() - t0) * 1e6 / n
+    return wall, summarize(device_events(d), n)
+
+
+def main(argv):
+  import jax
+  import jax.numpy as jnp
+  from flashjax.benchmarks import impls, timing
+  from flashjax.common.shapes import SHAPE_SETS
+  names, prefixes = argv[0].split(","), argv[1].split(",")
+  n = int(argv[2]) if len(argv) > 2 else 20
+  shapes = [s for s in SHAPE_SETS["standard"]
+            if any(s.name.startswith(p) for p in prefixes)]
+  for s in shapes:
+    q, k, v, do = timing.random_inputs(s, jnp.bfloat16)
+    for name in names:
+      fn, reason = impls.build(name)
+      if fn is None:
+        print(f"{name}: not run: {reason}")
+        continue
+      fwd = lambda q, k, v, fn=fn, s=s: fn(q, k, v, s.causal)
+      _, vjp = jax.vjp(fwd, q, k, v)
+      for direction, call, args in (("fwd", fwd, (q, k, v)),
+                                    ("bwd", lambda do, vjp=vjp: vjp(do), (do,))):
+        wall, summary = measure(call, args, n)
+        if summary is None:
+          print(f"{s.name:26s} {name:10s} {direction} wall {wall:8.1f} us; no device events")
+          continue
+        span, busy, idle, kernels = summary
+        print(f"{s.name:26s} {name:10s} {direction} wall {wall:8.1f} us  span {span:8.1f}"
+              f"  kernels {busy:8.1f}  idle {idle:6.1f}")
+        for kname, t in sorted(kernels.items(), key=lambda x: -x[1])[:6]:
+          print(f"      {t:8.1f} us  {kname[:90]}")
+      sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,130 @@
+"""The experiment scripts of tools/: sweep candidates, profile and trace parsing,
+the CPU step-cost model (no GPU needed)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashjax.common.shapes import get
+
+
+def test_pallas_triton_sweep_parses_candidates():
+  import jax
+  from tools import pallas_triton_sweep
+  from flashjax.pallas_gpu import pallas_triton
+  q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
+  cfg = pallas_triton_sweep._config("128,64,8,4", q, q, q, causal=True)
+  assert (cfg.fwd.block_q, cfg.fwd.block_kv, cfg.fwd.num_warps,
+          cfg.fwd.num_stages) == (128, 64, 8, 4)
+  default = pallas_triton_sweep._config("-", q, q, q, causal=False)
+  assert cfg.dq == default.dq and cfg.dkv == default.dkv
+  assert default.fwd.block_kv == 128
+  assert default.fold_causal and cfg.fold_causal  # the long-key default folds
+  off = pallas_triton_sweep._config("-,nofold", q, q, q, causal=True)
+  assert not off.fold_causal and off.fwd == default.fwd
+  on = pallas_triton_sweep._config("128,64,4,2,fold", q, q, q, causal=True)
+  assert on.fold_causal and on.fwd.num_warps == 4
+  assert default.split_tail  # long keys at 2 bytes split the forward's last wave
+  both = pallas_triton_sweep._config("-,nofold,nosplit", q, q, q, causal=False)
+  assert not both.fold_causal and not both.split_tail and both.fwd == default.fwd
+
+
+def test_sweep_rows_time_candidates_against_the_baseline(capsys):
+  import jax
+  from tools import sweeps
+
+  def candidate(text, shp, q, k, v):
+    if text == "bad":
+      raise ValueError("does not fit")
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=shp.causal)
+
+  sweeps.forward_rows("quick", ["good", "bad"], "xla",
+                      lambda shp: lambda q, k, v: jax.nn.dot_product_attention(
+                          q, k, v, is_causal=shp.causal), candidate,
+                      iters=1, repeats=1)
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("B1")]
+  assert len(rows) == len(get("quick"))
+  for r in rows:
+    assert " xla " in r and "good " in r and "x) |" in r
+    assert "bad ERR ValueError: does not fit" in r
+
+
+def test_kernel_profile_summary_groups_kernels_under_their_marker(tmp_path):
+  from tools import kernel_profile
+  header = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+  rows = [
+      ("0", "mark_pallas_B2_S8k_H16_D128_bwd", "SOL", "Duration", "ns", "1,024"),
+      ("1", "dq_kernel(int)", "SOL", "Duration", "ms", "1.50"),
+      ("1", "dq_kernel(int)", "CWA", "Issue Slots Busy", "%", "40.5"),
+      ("1", "dq_kernel(int)", "cmd",
+       "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "%", "61.2"),
+      ("2", "dkv_kernel(int)", "SOL", "Duration", "usecond", "2,500.5"),
+      ("3", "mark_jax_cudnn_B2_S8k_H16_D128_bwd", "SOL", "Duration", "nsecond", "900"),
+      ("4", "cudnn_bwd", "SOL", "Duration", "usecond", "3000"),
+  ]
+  path = tmp_path / "prof.csv"
+  path.write_text("==PROF== Connected\n" + header + "".join(
+      ",".join(f'"{c}"' for c in r) + "\n" for r in rows))
+  text = kernel_profile.summarize(str(path))
+  pallas, cudnn = text.split("== ")[1:]
+  assert pallas.startswith("pallas_B2_S8k_H16_D128 bwd")
+  assert "us=1500.0" in pallas and "issue%=40.5" in pallas
+  assert "pipe_tensor_op_gmma_cycles_active=61.2" in pallas
+  assert "total 4000.5 us" in pallas
+  assert "total 3000.0 us" in cudnn and "mark_" not in text.replace("== ", "")
+
+
+def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
+  import gzip
+  import json
+  from tools import launch_gaps
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 1, "name": "host_op", "ts": 0, "dur": 500},
+      # Two calls: kernel a then b; b overlaps a's tail on another stream.
+      {"ph": "X", "pid": 7, "name": "a", "ts": 100, "dur": 50},
+      {"ph": "X", "pid": 7, "name": "b", "ts": 140, "dur": 20},
+      {"ph": "X", "pid": 7, "name": "a", "ts": 200, "dur": 50},
+      {"ph": "X", "pid": 7, "name": "b", "ts": 260, "dur": 40},
+  ]
+  sub = tmp_path / "plugins" / "profile" / "run"
+  sub.mkdir(parents=True)
+  with gzip.open(sub / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  got = launch_gaps.device_events(str(tmp_path))
+  assert [e[0] for e in got] == ["a", "b", "a", "b"]
+  span, busy, idle, kernels = launch_gaps.summarize(got, n=2)
+  # Span 100..300 = 200 us; busy = [100, 160] + [200, 250] + [260, 300] = 150 us.
+  assert (span, busy, idle) == (100.0, 75.0, 25.0)
+  assert kernels == {"a": 50.0, "b": 30.0}
+  assert launch_gaps.summarize([], n=1) is None
+
+
+def test_cpu_step_costs_counts_the_causal_schedule():
+  from tools import cpu_step_costs as c
+  from flashjax.xla_cpu.config import XlaConfig
+  # 512x256 blocks at S = 2048: 4 q blocks x 8 kv blocks; q block i runs 2i
+  # interior steps, one masked full step and one half-height step.
+  assert c.causal_steps(2048) == (16, 4, 32)
+  assert c.causal_floor(2048, 1.0, 0.5) == 18 / 32
+  assert c.causal_floor(2048, 2.0, 2.0) == 20 / 32
+  assert c.causal_steps(4096) == (64, 8, 128)
+  # Odd-sized blocks: no half-height steps.
+  full, half, total = c.causal_steps(64, XlaConfig(block_q=15, block_kv=16))
+  assert half == 0 and 0 < full < total
+
+
+def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
+  from tools import cpu_step_costs as c
+  f, (q, kt, v) = c.step_loop(4, 8, heads=2, head_dim=3, steps=3)
+  m, l, acc = f(q, kt, v)
+  s = np.einsum("hqd,hdk->hqk", np.asarray(q)[0, :, 0], np.asarray(kt)[0]) * 0.125
+  ok = np.arange(8)[None, :] <= np.arange(4)[:, None] + 4
+  s = np.where(np.tile(ok, (1, 3))[None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("hqk,hkd->hqd", p / p.sum(-1, keepdims=True), np.asarray(v)[0])
+  np.testing.assert_allclose(np.asarray(acc / l[..., None])[0, :, 0], want,
+                             rtol=1e-5, atol=1e-6)
+  got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
+  assert set(got) == {(8, 4), (4, 8)}
+  assert all(0 < mn <= med for mn, med in got.values())
