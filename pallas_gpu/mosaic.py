@@ -183,7 +183,7 @@ def forward(ops, spec, static: _Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton_decode.py).
   if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, triton_decode.DecodeConfig(),
+    return triton_decode.forward(ops, spec, None,
                                  registry.num_sms(), False)
   from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
   g = geometry(spec, static.config)

@@ -86,7 +86,7 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
 
 def forward(ops, spec, static: _Static):
   if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, triton_decode.DecodeConfig(),
+    return triton_decode.forward(ops, spec, None,
                                  registry.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)

@@ -42,7 +42,9 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
-  """``num_splits``: key splits per (batch, kv head); 0 chooses from the SM count."""
+  """``num_splits``: key splits per (batch, kv head); 0 chooses from the SM count.
+  At 64 packed rows, 128-key tiles with 4 stages overflow an H200's shared
+  memory, hence the smaller default there (:func:`default_config`)."""
 
   block_kv: int = 128
   num_splits: int = 0
@@ -85,17 +87,27 @@ def key_blocks(spec, bk: int) -> tuple[int, int]:
   return lo // bk, -(-hi // bk)
 
 
+def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
+  """Tiles by packed rows. An H200 sweep (2026-11-24, bf16, GQA 32:8, D = 128,
+  docs/reports/2026-11-24-h200-decode-split-sweep.txt): 64-key 2-stage tiles
+  were best at 64 rows (Sq = 16: 3378 GB/s against 2813 with 128-key tiles), and
+  128-key 3-stage tiles within 2% of the best at 16 rows."""
+  if _rows(spec) > 16:
+    return DecodeConfig(block_kv=64, num_stages=2)
+  return DecodeConfig(block_kv=128, num_stages=3)
+
+
 def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
-  """``cfg.num_splits``, else enough splits for about four programs per SM (the
-  kernel is bound by memory latency, so each SM needs several tiles in flight),
-  each split keeping at least two tiles."""
+  """``cfg.num_splits``, else about two programs per SM, each split keeping at
+  least two tiles. The same sweep: B64 Sk8k (512 programs) was best unsplit, B8
+  Sk64k with 4 splits (4357 GB/s; 18 gave 4162), B1 Sk128k with 33 (3675 vs 3484
+  at 132)."""
   first, last = key_blocks(spec, _block_kv(spec, cfg))
   blocks = max(last - first, 1)
   if cfg.num_splits:
     return max(1, min(cfg.num_splits, blocks))
   programs = spec.batch * spec.heads_kv
-  want = -(-4 * sms // programs)
-  return max(1, min(want, blocks // 2 or 1, 128))
+  return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
@@ -197,9 +209,11 @@ def combine(out_parts, lse_parts, spec):
   return out.reshape(b, sq, hkv * g, -1), lse
 
 
-def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec, cfg: DecodeConfig,
-            sms: int, interpret: bool):
-  """``(out, lse)`` of a decode-shaped call (:func:`applies`), sinks included."""
+def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec,
+            cfg: DecodeConfig | None, sms: int, interpret: bool):
+  """``(out, lse)`` of a decode-shaped call (:func:`applies`), sinks included;
+  ``cfg`` None takes :func:`default_config`."""
+  cfg = cfg or default_config(spec)
   splits = num_splits(spec, cfg, sms)
   o, lse = partials(ops.q, ops.k, ops.v, spec, cfg, splits, interpret)
   out, lse = combine(o, lse, spec)

@@ -70,10 +70,12 @@ def test_decode_applies_only_to_decode_shapes():
   assert not triton_decode.applies(mk(seq_q=32))  # 128 packed rows
   assert not triton_decode.applies(mk(head_dim=80))
   assert not triton_decode.applies(mk(seq_q=128, seq_k=128, heads_q=8))
-  # B64 Hkv8: 512 programs already fill 132 SMs about four times over.
+  # About two programs per SM: B64 Hkv8 (512 programs) runs unsplit.
   cfg = triton_decode.DecodeConfig()
-  assert triton_decode.num_splits(mk(batch=64, seq_k=8192), cfg, 132) == 2
-  assert triton_decode.num_splits(mk(batch=1, seq_k=131072), cfg, 132) == 66
+  assert triton_decode.num_splits(mk(batch=64, seq_k=8192), cfg, 132) == 1
+  assert triton_decode.num_splits(mk(batch=8, seq_k=65536), cfg, 132) == 4
+  assert triton_decode.num_splits(mk(batch=1, seq_k=131072), cfg, 132) == 33
+  assert triton_decode.default_config(mk(seq_q=16)).block_kv == 64
   with pytest.raises(ValueError, match="block_kv"):
     triton_decode.DecodeConfig(block_kv=48)
 
