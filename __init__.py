@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 from .api import (flash_attention, flash_mha, flash_mha_varlen,
                   get_cached_flash_attention)
 from .common.spec import FEATURES, AttentionSpec
+from .inference import flash_mha_with_kvcache
 
 __all__ = ["flash_attention", "flash_mha", "flash_mha_varlen",
-           "get_cached_flash_attention", "AttentionSpec", "FEATURES"]
+           "get_cached_flash_attention", "AttentionSpec", "FEATURES",
+           "flash_mha_with_kvcache"]
