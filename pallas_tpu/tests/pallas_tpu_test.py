@@ -4,8 +4,9 @@ block skipping counted inside the kernel."""
 import jax
 import pytest
 
+import flashjax
 from flashjax import pallas_tpu
-from flashjax.common import conformance
+from flashjax.common import conformance, conformance_kvcache
 
 
 class TestPallasTpuInterpret(conformance.ConformanceSuite):
@@ -64,3 +65,17 @@ def test_config_validation():
     pallas_tpu.BlockSizes(block_q=128, block_kv=64)
   with pytest.raises(ValueError, match="block_q"):
     pallas_tpu.BlockSizes(block_q=100, block_kv=128)
+
+
+class TestPallasTpuKvCacheInterpret(conformance_kvcache.KvCacheSuite):
+  """The paged decode kernel in TPU interpret mode; contiguous caches step by 16
+  positions, so most cases walk several blocks and a partial last one."""
+
+  KV_CAPS = conformance_kvcache.KvCapabilities(
+      name="pallas-tpu[kvcache,interpret]", head_dim_ok=lambda d: d <= 256,
+      hypothesis_examples=3)
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(
+        *args, backend="tpu", platform="pallas", interpret=True,
+        config=pallas_tpu.KvCacheConfig(block_kv=16), **kwargs)

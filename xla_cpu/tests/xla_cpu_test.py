@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import flashjax
 from flashjax import xla_cpu
-from flashjax.common import conformance, reference, tolerances
+from flashjax.common import conformance, conformance_kvcache, reference, tolerances
 
 
 class TestXlaCpu(conformance.ConformanceSuite):
@@ -25,3 +26,15 @@ class TestXlaCpuSmallBlocks(conformance.ConformanceSuite):
   def attention(self, q, k, v, **kwargs):
     return xla_cpu.flash_attention(
         q, k, v, config=xla_cpu.XlaConfig(block_q=16, block_kv=32), **kwargs)
+
+
+class TestXlaKvCache(conformance_kvcache.KvCacheSuite):
+  """The KV-cache entry on the blockwise xla path, with blocks of 16 positions so
+  that most cases walk several blocks (and pages)."""
+
+  KV_CAPS = conformance_kvcache.KvCapabilities(name="xla[kvcache]")
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(
+        *args, backend="cpu", platform="xla",
+        config=xla_cpu.XlaConfig(block_kv=16), **kwargs)
