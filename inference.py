@@ -29,10 +29,11 @@ def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
   """``"xla"`` or ``"pallas-tpu"`` for this call; raises for what cannot run."""
   platform = platform or os.environ.get("FLASHJAX_PLATFORM") or None
   name = None if platform is None else registry.resolve(platform, backend)
-  if interpret and name not in ("pallas-tpu", "pallas-triton", "pallas-mosaic-gpu"):
-    raise ValueError(f"interpret=True runs Pallas kernels in interpret mode; platform"
-                     f" {platform!r} has none (use platform='pallas' or "
-                     "'pallas-triton')")
+  if interpret and (name is None and backend != "tpu" or name is not None and
+                    not name.startswith("pallas")):
+    raise ValueError("interpret=True runs Pallas kernels in interpret mode; this "
+                     f"call has none (platform {platform!r}, backend {backend!r}): "
+                     "use platform='pallas' with backend='tpu'")
   if name is None:
     if backend == "tpu":
       from . import pallas_tpu
@@ -44,6 +45,11 @@ def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
       registry.log_once("flashjax: flash_mha_with_kvcache has no GPU kernel yet; "
                         "running the xla path")
     return "xla"
+  runs_on = registry.PLATFORMS[name].backends
+  if backend not in runs_on and not interpret:
+    raise NotImplementedError(f"platform {platform!r} cannot run this call: {name}: "
+                              f"not for backend {backend!r} (runs on "
+                              f"{', '.join(runs_on)})")
   if name == "pallas-tpu":
     from . import pallas_tpu
     reason = pallas_tpu.kvcache_supported(spec)
