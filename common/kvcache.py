@@ -96,13 +96,15 @@ def _shape(x, name):
 
 
 def _concrete(x):
-  """``x`` as a numpy array when its values are known (not traced), else None."""
-  if x is None or isinstance(x, jax.core.Tracer):
+  """``x`` as a numpy int array when its values are known, else None (traced
+  values raise on conversion; abstract ones convert to an object array)."""
+  if x is None:
     return None
   try:
-    return np.asarray(x)
-  except Exception:  # abstract values (ShapeDtypeStruct) have no data
+    value = np.asarray(x)
+  except jax.errors.JAXTypeError:
     return None
+  return value if value.dtype.kind in "iu" else None
 
 
 def _int_vector(x, name, batch, *, default=None):
@@ -198,8 +200,7 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                      f"{softmax_scale!r}")
   if window_size is None:
     window_size = (-1, -1)
-  left, right = parse_window(tuple(window_size) if isinstance(window_size, list)
-                             else window_size, causal)
+  left, right = parse_window(window_size, causal)
 
   rotary_dim = 0
   if (rotary_cos is None) != (rotary_sin is None):

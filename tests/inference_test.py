@@ -57,3 +57,22 @@ def test_tpu_runs_the_kernel_and_falls_back_for_what_it_lacks(caplog, monkeypatc
 def test_platform_errors(kw, error):
   with pytest.raises(error):
     flashjax.flash_mha_with_kvcache(**_arrays(), **kw)
+
+
+def test_return_forms():
+  a = _arrays()
+  out, lse, k_cache, v_cache = flashjax.flash_mha_with_kvcache(
+      **a, return_softmax_lse=True, return_updated_cache=True)
+  forms = {(False, False): (out,), (True, False): (out, lse),
+           (False, True): (out, k_cache, v_cache)}
+  for (with_lse, with_cache), want in forms.items():
+    got = flashjax.flash_mha_with_kvcache(**a, return_softmax_lse=with_lse,
+                                          return_updated_cache=with_cache)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert out.shape == a["q"].shape and lse.shape == (2, 2, 2)
+  # The appended keys differ from what the slots held before.
+  assert not np.array_equal(np.asarray(k_cache), np.asarray(a["k_cache"]),
+                            equal_nan=True)
