@@ -53,7 +53,9 @@ def kvcache_supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
-            m_sc, l_sc, acc_sc, *, spec: kv.KvCacheSpec, bk: int):
+            *refs, spec: kv.KvCacheSpec, bk: int, count: bool):
+  cnt_ref = refs[0] if count else None
+  m_sc, l_sc, acc_sc = refs[1:] if count else refs
   b, j = pl.program_id(0), pl.program_id(2)
   del table  # used by the index maps only
 
@@ -62,6 +64,8 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
     m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if cnt_ref is not None:
+      cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
 
   @pl.when((j >= lo[b]) & (j < hi[b]))
   def _step():
@@ -89,6 +93,8 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
     v = v_ref[...]
     v = jnp.where(kv.key_held(col, total[b], leftpad[b]), v, jnp.zeros_like(v))
     acc_sc[...] = alpha * acc_sc[...] + tile.matmul(p.astype(v.dtype), v)
+    if cnt_ref is not None:
+      cnt_ref[...] += 1
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finish():
@@ -100,9 +106,11 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
 
 
 def kvcache_attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
-                      config: KvCacheConfig | None = None, *, interpret=False):
+                      config: KvCacheConfig | None = None, *, interpret=False,
+                      count: bool = False):
   """``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)`` over the
-  prepared (rotated, appended) cache."""
+  prepared (rotated, appended) cache; with ``count`` also the executed (not
+  skipped) steps ``[B, Hkv]``, counted inside the kernel (for tests)."""
   reason = kvcache_supported(spec)
   if reason:
     raise NotImplementedError(reason)
@@ -139,28 +147,33 @@ def kvcache_attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
 
   q = kv.group_queries(prep.q, spec)  # [B, Hkv, G*Sq, D]: small
   row_map = lambda bi, h, j, *_: (bi, h, 0, 0)
+  out_shape = [jax.ShapeDtypeStruct((b, hkv, rows_q, dv), prep.q.dtype),
+               jax.ShapeDtypeStruct((b, hkv, rows_q, 1), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, rows_q, dv), row_map),
+               pl.BlockSpec((None, None, rows_q, 1), row_map)]
+  if count:
+    out_shape.append(jax.ShapeDtypeStruct((b, hkv, 1, 1), jnp.int32))
+    out_specs.append(pl.BlockSpec((None, None, 1, 1), row_map))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=5, grid=(b, hkv, n_blocks),
       in_specs=[pl.BlockSpec((None, None, rows_q, d), row_map),
                 pl.BlockSpec((None, bk, None, d), kv_map),
                 pl.BlockSpec((None, bk, None, dv), kv_map)],
-      out_specs=[pl.BlockSpec((None, None, rows_q, dv), row_map),
-                 pl.BlockSpec((None, None, rows_q, 1), row_map)],
+      out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((rows_q, NUM_LANES), jnp.float32),
                       pltpu.VMEM((rows_q, NUM_LANES), jnp.float32),
                       pltpu.VMEM((rows_q, dv), jnp.float32)])
-  out, lse = pl.pallas_call(
-      functools.partial(_kernel, spec=spec, bk=bk), grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, hkv, rows_q, dv), prep.q.dtype),
-                 jax.ShapeDtypeStruct((b, hkv, rows_q, 1), jnp.float32)],
+  res = pl.pallas_call(
+      functools.partial(_kernel, spec=spec, bk=bk, count=count),
+      grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       # Simulates TPU memory spaces and DMA; uninitialised memory reads as NaN.
       interpret=pltpu.InterpretParams() if interpret else False,
       name="flashjax_tpu_kvcache",
   )(table, lo_blk, hi_blk, prep.total, prep.leftpad, q, prep.k_cache, prep.v_cache)
-  out, lse = kv.ungroup(out, lse[..., 0], spec)
+  out, lse = kv.ungroup(res[0], res[1][..., 0], spec)
   if spec.num_sinks:
     sunk, lse = epilogue.add_sinks(out, lse, sinks)
     out = sunk.astype(out.dtype)
-  return out, lse
+  return (out, lse, res[2][..., 0, 0]) if count else (out, lse)

@@ -79,3 +79,26 @@ class TestPallasTpuKvCacheInterpret(conformance_kvcache.KvCacheSuite):
     return flashjax.flash_mha_with_kvcache(
         *args, backend="tpu", platform="pallas", interpret=True,
         config=pallas_tpu.KvCacheConfig(block_kv=16), **kwargs)
+
+
+def test_kvcache_kernel_runs_only_the_pages_a_row_can_see():
+  import jax.numpy as jnp
+  import numpy as np
+  from flashjax.common import kvcache
+  b, h, d, ps = 3, 1, 32, 4
+  q = jnp.ones((b, 2, h, d))
+  pool = jnp.ones((24, ps, h, d))
+  table = jnp.arange(24, dtype=jnp.int32).reshape(b, 8)
+  def steps(**kw):
+    ops, spec = kvcache.canonicalize(
+        q, pool, pool, cache_seqlens=jnp.array([5, 30, 0], jnp.int32),
+        page_table=table, **kw)
+    res = pallas_tpu.kvcache_attention(kvcache.prepare(ops, spec), None, spec,
+                                       interpret=True, count=True)
+    return np.asarray(res[2])[:, 0].tolist()
+  # Keys [0, 5): pages 0-1; [0, 30): pages 0-7; nothing: no step.
+  assert steps() == [2, 8, 0]
+  # Leftpad 4 leaves position 4 (page 1); a window of 3 left of the first
+  # query leaves positions [25, 30) (pages 6-7) whatever the leftpad of 9.
+  assert steps(cache_leftpad=jnp.array([4, 9, 0], jnp.int32),
+               window_size=(3, 0)) == [1, 2, 0]
