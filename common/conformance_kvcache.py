@@ -184,8 +184,9 @@ class KvCacheSuite:
     fn, got = self.run_kv(arrays, static)
     again = fn(arrays)
     for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, again):
-      # fp32 holds bf16/fp16 exactly; numpy matches NaN with NaN only in its own dtypes
-      np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
+      # fp32 holds bf16/fp16 exactly; numpy matches NaN with NaN in its own dtypes
+      np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                    np.asarray(y, np.float32),
                                     err_msg=f"{name} differs between two runs")
     ref = _reference(arrays, static)
     name = self.KV_CAPS.name

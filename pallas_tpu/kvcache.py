@@ -47,8 +47,9 @@ class KvCacheConfig:
 def kvcache_supported(spec: kv.KvCacheSpec) -> str | None:
   if spec.dtype not in DTYPES:
     return f"pallas-tpu: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
-  if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
-    return f"pallas-tpu: head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}"
+  d = max(spec.head_dim, spec.head_dim_v)
+  if d > MAX_HEAD_DIM:
+    return f"pallas-tpu: head dim {d} > {MAX_HEAD_DIM}"
   return None
 
 
