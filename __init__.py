@@ -12,6 +12,8 @@ from .api import (flash_attention, flash_mha, flash_mha_varlen,
                   get_cached_flash_attention)
 from .common.spec import FEATURES, AttentionSpec
 from .compat.jax_nn import dot_product_attention
+from .inference import flash_mha_with_kvcache
 
 __all__ = ["flash_attention", "dot_product_attention", "flash_mha", "flash_mha_varlen",
-           "get_cached_flash_attention", "AttentionSpec", "FEATURES"]
+           "flash_mha_with_kvcache", "get_cached_flash_attention", "AttentionSpec",
+           "FEATURES"]

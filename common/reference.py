@@ -105,3 +105,42 @@ def attention(q, k, v, *, precision=None, **kwargs):
 
 __all__ = ["attention", "attention_from_operands", "logits", "mask_of",
            "dropout_keep", "Band"]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, precision=None,
+                           **kwargs):
+  """Reference of ``flash_mha_with_kvcache``: rotary and the append
+  (``common.kvcache``), then every batch row's whole cache gathered densely and
+  attended through :func:`attention` with the row's valid positions and its
+  bottom-right aligned band as a dense mask.
+
+  Args:
+    q, k_cache, v_cache, k, v: as ``flash_mha_with_kvcache``.
+    precision: "float32" (default) or "float64".
+    **kwargs: ``common.kvcache.canonicalize``'s keyword arguments.
+
+  Returns:
+    ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq], k_cache, v_cache)``: the output and
+    lse in the compute dtype, the caches updated with the new keys.
+  """
+  from . import kvcache  # kvcache imports nothing of the reference's
+  ops, spec = kvcache.canonicalize(q, k_cache, v_cache, k, v, **kwargs)
+  prep = kvcache.prepare(ops, spec)
+  if spec.paged:
+    # Table entries past a row's valid pages may hold anything: clip them.
+    pages = jnp.clip(prep.rows, 0, spec.cache_rows - 1)
+    gather = lambda c: c[pages].reshape((spec.batch, spec.capacity) + c.shape[2:])
+  else:
+    gather = lambda c: c[prep.rows]
+  pos = jnp.arange(spec.capacity, dtype=jnp.int32)[None, None, :]
+  row = jnp.arange(spec.seq_q, dtype=jnp.int32)[None, :, None]
+  mask = kvcache.key_allowed(pos, row, prep.total[:, None, None],
+                             prep.leftpad[:, None, None], spec)[:, None]
+  # Free slots are never read (they may hold anything, NaN included).
+  held = kvcache.key_held(pos[0], prep.total[:, None], prep.leftpad[:, None])
+  keep = lambda c: jnp.where(held[:, :, None, None], gather(c), 0)
+  out, lse = attention(prep.q, keep(prep.k_cache), keep(prep.v_cache),
+                       mask=mask, softmax_scale=spec.softmax_scale,
+                       logits_soft_cap=spec.logits_soft_cap, sinks=ops.sinks,
+                       return_lse=True, precision=precision)
+  return out, lse, prep.k_cache, prep.v_cache

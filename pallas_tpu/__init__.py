@@ -6,3 +6,4 @@ from .attention import (attention_from_operands, count_kv_steps, flash_attention
 from .config import BlockSizes, TpuConfig, config_from_block_sizes, default_config
 
 NAME = "pallas-tpu"
+from .kvcache import KvCacheConfig, kvcache_attention, kvcache_supported

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax.common import conformance, spec, tolerances
+import flashjax
+from flashjax.common import conformance, conformance_kvcache, spec, tolerances
 from flashjax.pallas_gpu import pallas_triton, triton_tail
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
@@ -515,3 +516,29 @@ def test_default_tiles_fit_every_generation(dtype):
             target.hopper and d == 128 and dtype == "bfloat16" and bias is None), (
                 target.name, d, p.fwd)
         assert not p.split_tail or target.hopper
+
+
+class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
+  """No GPU KV-cache kernel yet: the entry runs the xla path for this platform
+  (logged once); the suite checks that path through the platform's dispatch."""
+
+  KV_CAPS = conformance_kvcache.KvCapabilities(name="pallas-triton[kvcache,interpret]",
+                                               hypothesis_examples=1)
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(*args, backend="gpu",
+                                           platform="pallas-triton", interpret=True,
+                                           **kwargs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.parametrize("platform", ["pallas", "pallas-triton"])
+class TestPallasKvCacheGpu(conformance_kvcache.KvCacheSuite):
+  KV_CAPS = conformance_kvcache.KvCapabilities(name="pallas[kvcache,gpu]")
+
+  @pytest.fixture(autouse=True)
+  def _platform(self, platform):
+    self.platform = platform
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(*args, platform=self.platform, **kwargs)

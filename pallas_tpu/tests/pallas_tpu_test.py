@@ -4,8 +4,9 @@ block skipping counted inside the kernel."""
 import jax
 import pytest
 
+import flashjax
 from flashjax import pallas_tpu
-from flashjax.common import conformance
+from flashjax.common import conformance, conformance_kvcache
 
 
 class TestPallasTpuInterpret(conformance.ConformanceSuite):
@@ -64,3 +65,40 @@ def test_config_validation():
     pallas_tpu.BlockSizes(block_q=128, block_kv=64)
   with pytest.raises(ValueError, match="block_q"):
     pallas_tpu.BlockSizes(block_q=100, block_kv=128)
+
+
+class TestPallasTpuKvCacheInterpret(conformance_kvcache.KvCacheSuite):
+  """The paged decode kernel in TPU interpret mode; contiguous caches step by 16
+  positions, so most cases walk several blocks and a partial last one."""
+
+  KV_CAPS = conformance_kvcache.KvCapabilities(
+      name="pallas-tpu[kvcache,interpret]", head_dim_ok=lambda d: d <= 256,
+      hypothesis_examples=2)
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(
+        *args, backend="tpu", platform="pallas", interpret=True,
+        config=pallas_tpu.KvCacheConfig(block_kv=16), **kwargs)
+
+
+def test_kvcache_kernel_runs_only_the_pages_a_row_can_see():
+  import jax.numpy as jnp
+  import numpy as np
+  from flashjax.common import kvcache
+  b, h, d, ps = 3, 1, 32, 4
+  q = jnp.ones((b, 2, h, d))
+  pool = jnp.ones((24, ps, h, d))
+  table = jnp.arange(24, dtype=jnp.int32).reshape(b, 8)
+  def steps(**kw):
+    ops, spec = kvcache.canonicalize(
+        q, pool, pool, cache_seqlens=jnp.array([5, 30, 0], jnp.int32),
+        page_table=table, **kw)
+    res = pallas_tpu.kvcache_attention(kvcache.prepare(ops, spec), None, spec,
+                                       interpret=True, count=True)
+    return np.asarray(res[2])[:, 0].tolist()
+  # Keys [0, 5): pages 0-1; [0, 30): pages 0-7; nothing: no step.
+  assert steps() == [2, 8, 0]
+  # Leftpad 4 leaves position 4 (page 1); a window of 3 left of the first
+  # query leaves positions [25, 30) (pages 6-7) whatever the leftpad of 9.
+  assert steps(cache_leftpad=jnp.array([4, 9, 0], jnp.int32),
+               window_size=(3, 0)) == [1, 2, 0]

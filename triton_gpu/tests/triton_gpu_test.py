@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from flashjax import triton_gpu
-from flashjax.common import conformance, spec as spec_lib
+import flashjax
+from flashjax.common import conformance, conformance_kvcache, spec as spec_lib
 from flashjax.triton_gpu import plan
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -221,3 +222,13 @@ def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monk
   other = _spec(seq_q=64, seq_k=64, head_dim=128)
   assert autotune.resolve_config(other, None, None, on_gpu=False) == (
       triton_gpu.default_config(other))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+class TestTritonKvCacheGpu(conformance_kvcache.KvCacheSuite):
+  """No Triton KV-cache kernel yet: the entry runs the xla path (logged once)."""
+
+  KV_CAPS = conformance_kvcache.KvCapabilities(name="triton[kvcache,gpu]")
+
+  def kvcache(self, *args, **kwargs):
+    return flashjax.flash_mha_with_kvcache(*args, platform="triton", **kwargs)
