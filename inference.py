@@ -8,8 +8,10 @@ and the append once, and runs the platform's attention over the cache:
 * ``xla``: a blockwise loop that gathers one block of the cache per step;
 * ``pallas-tpu``: a paged decode kernel whose scalar-prefetched page table drives
   the page DMAs;
-* GPU: no KV-cache kernel yet; the call runs the xla path (logged once), and an
-  explicitly named GPU platform does the same.
+* GPU (``pallas`` or ``pallas-triton``): the Pallas-Triton split-KV decode kernel
+  (pallas_gpu/triton_kvcache.py) where it applies (power-of-two head dims, at most
+  64 query rows per key head, pages of a power of two >= 16), else the xla path
+  (logged once); ``triton`` runs the xla path.
 
 ``flash_attention`` with few queries against many keys (decode, chunked prefill)
 keeps running through the platforms' ordinary kernels.
@@ -42,8 +44,10 @@ def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
         return "pallas-tpu"
       registry.log_once(f"flashjax: flash_mha_with_kvcache runs xla; skipped: {reason}")
     elif backend == "gpu":
-      registry.log_once("flashjax: flash_mha_with_kvcache has no GPU kernel yet; "
-                        "running the xla path")
+      reason = _gpu_reason(spec)
+      if reason is None:
+        return "pallas-triton"
+      registry.log_once(f"flashjax: flash_mha_with_kvcache runs xla; skipped: {reason}")
     return "xla"
   runs_on = registry.PLATFORMS[name].backends
   if backend not in runs_on and not interpret:
@@ -56,10 +60,20 @@ def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
     if reason is not None:
       raise NotImplementedError(f"platform {platform!r} cannot run this call: {reason}")
     return name
-  if name != "xla":
+  if name in ("pallas-triton", "pallas-mosaic-gpu"):
+    reason = _gpu_reason(spec)
+    if reason is None:
+      return "pallas-triton"
+    registry.log_once(f"flashjax: flash_mha_with_kvcache runs xla; skipped: {reason}")
+  elif name != "xla":
     registry.log_once(f"flashjax: flash_mha_with_kvcache has no {name} kernel yet; "
                       "running the xla path")
   return "xla"
+
+
+def _gpu_reason(spec: kv.KvCacheSpec) -> str | None:
+  from .pallas_gpu import triton_kvcache
+  return triton_kvcache.supported(spec)
 
 
 def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
@@ -88,15 +102,16 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     rotary_cos, rotary_sin: ``[S_ro, rotary_dim / 2]``; rotate q and k (needs k).
     softmax_scale: default ``1/sqrt(D)``.
     is_causal, window_size: bottom-right aligned on the end of the valid keys.
-    num_splits: split-KV parts (0 = automatic); changes speed, never results.
-      The xla path and the TPU kernel do not split.
+    num_splits: split-KV parts (0 = automatic, 1 = none); changes speed, never
+      results. The GPU kernel splits; the xla path and the TPU kernel do not.
     return_softmax_lse: also return ``lse [B, Hq, Sq]`` (fp32).
     rotary_interleaved: True rotates pairs (0, 1), (2, 3)...; False the halves.
     logits_soft_cap: ``cap * tanh(logits / cap)``.
     sinks: ``[Hq]`` or ``[Hq, n]`` logits joining the denominator only.
     return_updated_cache: also return the caches with k, v written in.
     backend, platform, config, interpret: as ``flash_attention``; ``config`` is
-      the chosen platform's (``xla_cpu.XlaConfig``, ``pallas_tpu.KvCacheConfig``).
+      the chosen platform's (``xla_cpu.XlaConfig``, ``pallas_tpu.KvCacheConfig``,
+      ``pallas_gpu.triton_decode.DecodeConfig``).
 
   Returns:
     ``out [B, Sq, Hq, Dv]`` in q's dtype; with ``return_softmax_lse``
@@ -119,6 +134,10 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     from . import pallas_tpu
     out, lse = pallas_tpu.kvcache_attention(prep, ops.sinks, spec, config,
                                             interpret=interpret)
+  elif name == "pallas-triton":
+    from .pallas_gpu import triton_kvcache
+    out, lse = triton_kvcache.attention(prep, ops.sinks, spec, config,
+                                        registry.num_sms(), interpret=interpret)
   else:
     from .xla_cpu import kvcache as xla_kvcache
     out, lse = xla_kvcache.attention(prep, ops.sinks, spec, config)

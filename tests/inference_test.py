@@ -18,7 +18,8 @@ def _arrays(head_dim=32):
   return {**arrays, **static}
 
 
-def test_gpu_runs_the_xla_path_and_says_so_once(caplog, monkeypatch):
+def test_gpu_without_a_kernel_for_the_call_runs_xla_and_says_so_once(caplog,
+                                                                     monkeypatch):
   monkeypatch.setattr(registry, "_logged", set())
   a = _arrays()
   want = flashjax.flash_mha_with_kvcache(**a, backend="cpu")
@@ -27,7 +28,27 @@ def test_gpu_runs_the_xla_path_and_says_so_once(caplog, monkeypatch):
       got = flashjax.flash_mha_with_kvcache(**a, backend="gpu", platform=platform)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   msgs = [r.getMessage() for r in caplog.records]
-  assert len(msgs) == 2 and all("running the xla path" in m for m in msgs), msgs
+  # Pages of 8 positions are below the GPU kernel's 16-row tiles.
+  assert len(msgs) == 2, msgs
+  assert "skipped: pallas-triton kvcache: page size 8" in msgs[0]
+  assert "no triton kernel yet; running the xla path" in msgs[1]
+
+
+def test_gpu_kernel_runs_where_it_applies(monkeypatch):
+  from flashjax.pallas_gpu import triton_kvcache
+  calls = []
+  real = triton_kvcache.attention
+  monkeypatch.setattr(triton_kvcache, "attention",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  arrays, static = conformance_kvcache.make_kv_inputs(conformance_kvcache.KvCase(
+      seq_q=2, seq_new=1, causal=True, page_size=16, capacity=48, seed=2))
+  a = {**arrays, **static}
+  got = flashjax.flash_mha_with_kvcache(**a, backend="gpu", platform="pallas-triton",
+                                        interpret=True)
+  assert calls == [1]
+  np.testing.assert_allclose(np.asarray(got),
+                             np.asarray(flashjax.flash_mha_with_kvcache(**a)),
+                             atol=2e-5, rtol=2e-5)
 
 
 def test_tpu_runs_the_kernel_and_falls_back_for_what_it_lacks(caplog, monkeypatch):

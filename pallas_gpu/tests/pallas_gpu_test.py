@@ -519,8 +519,9 @@ def test_default_tiles_fit_every_generation(dtype):
 
 
 class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
-  """No GPU KV-cache kernel yet: the entry runs the xla path for this platform
-  (logged once); the suite checks that path through the platform's dispatch."""
+  """The Pallas-Triton KV-cache kernel (pallas_gpu/triton_kvcache.py) in interpret
+  mode where it applies; the rest (pages under 16 positions, other head dims) runs
+  the xla path through the same dispatch."""
 
   KV_CAPS = conformance_kvcache.KvCapabilities(name="pallas-triton[kvcache,interpret]",
                                                hypothesis_examples=1)

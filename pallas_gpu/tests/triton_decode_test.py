@@ -92,3 +92,26 @@ def test_decode_lowers_for_cuda():
                             sd((4, 8192, 8, 128), jnp.bfloat16)).lower(
                                 lowering_platforms=("cuda",)).as_text()
   assert "flashjax_pallas_triton_decode" in text
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_kvcache_kernel_lowers_for_cuda(page_size):
+  import flashjax
+  sd = jax.ShapeDtypeStruct
+  b, cap = 4, 4096
+  if page_size:
+    cache = sd((b * cap // page_size, page_size, 8, 128), jnp.bfloat16)
+    extra = dict(page_table=sd((b, cap // page_size), jnp.int32))
+  else:
+    cache = sd((b + 2, cap, 8, 128), jnp.bfloat16)
+    extra = dict(cache_batch_idx=sd((b,), jnp.int32))
+
+  def f(q, kc, vc, lens, extra):
+    return flashjax.flash_mha_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                           backend="gpu", platform="pallas",
+                                           num_splits=0, **extra)
+
+  text = jax.jit(f).trace(sd((b, 1, 32, 128), jnp.bfloat16), cache, cache,
+                          sd((b,), jnp.int32), extra).lower(
+                              lowering_platforms=("cuda",)).as_text()
+  assert "flashjax_pallas_triton_kvcache" in text

@@ -1,0 +1,188 @@
+"""Pallas-Triton split-KV decode over a KV cache (``flash_mha_with_kvcache``).
+
+The decode kernel of triton_decode.py, reading a cache instead of ``[B, Sk, ..]``
+keys: each program reads its batch row's key range ``[lo, hi)`` (leftpad, length,
+window: ``common.kvcache.key_range``), its cache row (``cache_batch_idx``) or the
+pages of its row (``page_table``) as scalars, and loads whole key tiles from that
+row or page. A page holds a whole number of tiles (the tile is at most the page),
+so a paged tile is one contiguous load. Slots outside a row's keys are never let
+into the sums, whatever they hold (NaN included): their logits are masked and
+their values zeroed before the product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..common import epilogue
+from ..common import kvcache as kv
+from . import triton_decode as td
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _rows(spec) -> int:
+  return max(td.MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
+
+
+def _block_kv(spec: kv.KvCacheSpec, cfg: td.DecodeConfig) -> int:
+  if spec.paged:
+    return min(cfg.block_kv, spec.page_size)
+  return min(cfg.block_kv, 1 << (spec.capacity.bit_length() - 1))
+
+
+def supported(spec: kv.KvCacheSpec) -> str | None:
+  """None, or why this kernel cannot run the call (the xla path then does)."""
+  if spec.dtype not in DTYPES:
+    return f"pallas-triton kvcache: dtype {spec.dtype}"
+  if spec.head_dim not in td.HEAD_DIMS or spec.head_dim_v not in td.HEAD_DIMS:
+    return (f"pallas-triton kvcache: head dims {spec.head_dim}/{spec.head_dim_v} "
+            f"(supported: {td.HEAD_DIMS})")
+  if spec.seq_q * spec.group_size > td.MAX_ROWS:
+    return (f"pallas-triton kvcache: {spec.seq_q} queries x {spec.group_size} heads"
+            f" per key head > {td.MAX_ROWS} rows")
+  if spec.paged:
+    p = spec.page_size
+    if p < td.MIN_ROWS or p & (p - 1):
+      return f"pallas-triton kvcache: page size {p} (needs a power of two >= 16)"
+  elif spec.capacity < td.MIN_ROWS:
+    return f"pallas-triton kvcache: cache length {spec.capacity} < {td.MIN_ROWS}"
+  return None
+
+
+def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
+  """triton_decode's tiles; the call's ``num_splits`` (0 = automatic, 1 = none,
+  FlashAttention's meaning)."""
+  if _rows(spec) > 16:
+    return td.DecodeConfig(block_kv=64, num_stages=2, num_splits=spec.num_splits)
+  return td.DecodeConfig(block_kv=128, num_stages=3, num_splits=spec.num_splits)
+
+
+def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
+  """``cfg.num_splits``, or (0) about two programs per SM, at most one split per
+  two tiles of the capacity."""
+  blocks = -(-spec.capacity // _block_kv(spec, cfg))
+  if cfg.num_splits:
+    return max(1, min(cfg.num_splits, blocks))
+  programs = spec.batch * spec.heads_kv
+  return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
+
+
+def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk,
+            rows, splits, precision):
+  split = pl.program_id(0)
+  lo, hi = bounds_ref[0], bounds_ref[1]
+  total, leftpad = bounds_ref[2], bounds_ref[3]
+  q = q_ref[...]
+  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+  kcol = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+  query = row % spec.seq_q
+  real = row < spec.seq_q * spec.group_size
+  diag = query + total - spec.seq_q
+  cap = spec.logits_soft_cap
+  scale2 = td.LOG2E if cap is not None else spec.softmax_scale * td.LOG2E
+
+  def tile(j):
+    if spec.paged:
+      start = j * bk
+      page = rows_ref[start // spec.page_size]
+      off = start % spec.page_size
+      return start, k_ref[page, pl.ds(off, bk), :], v_ref[page, pl.ds(off, bk), :]
+    start = jnp.minimum(j * bk, spec.capacity - bk)
+    r = rows_ref[0]
+    return start, k_ref[r, pl.ds(start, bk), :], v_ref[r, pl.ds(start, bk), :]
+
+  def body(j, carry):
+    acc, m, l = carry
+    start, k, v = tile(j)
+    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+    if cap is not None:
+      s = cap * jnp.tanh(s * (spec.softmax_scale / cap))
+    pos = start + col
+    held = (pos >= jnp.maximum(leftpad, j * bk)) & (pos < total)
+    ok = real & held
+    if spec.right is not None:
+      ok &= pos <= diag + spec.right
+    if spec.left is not None:
+      ok &= pos >= diag - spec.left
+    s = jnp.where(ok, s, -jnp.inf)
+    kpos = start + kcol
+    v = jnp.where((kpos >= jnp.maximum(leftpad, j * bk)) & (kpos < total), v,
+                  jnp.zeros_like(v))
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s * scale2 - (m_safe * scale2)[:, None])
+    alpha = jnp.exp2((m - m_safe) * scale2)
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, precision=precision,
+                                         preferred_element_type=jnp.float32)
+    return acc, m_new, l
+
+  first = lo // bk
+  last = jnp.where(hi > lo, (hi + bk - 1) // bk, first)
+  per = (last - first + splits - 1) // splits
+  j0 = first + split * per
+  j1 = jnp.minimum(j0 + per, last)
+  init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
+          jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(j0, j1, body, init)
+  nonempty = l > 0
+  safe_l = jnp.where(nonempty, l, 1.0)
+  o_ref[...] = acc / safe_l[:, None]
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  lse_ref[...] = jnp.where(nonempty, m_safe * scale2 * td.LN2 + jnp.log(safe_l),
+                           -jnp.inf)
+
+
+def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
+              config: td.DecodeConfig | None, sms: int, interpret: bool = False):
+  """``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq])`` over the prepared
+  (rotated, appended) cache."""
+  cfg = config or default_config(spec)
+  if not isinstance(cfg, td.DecodeConfig):
+    raise ValueError("config must be a pallas_gpu.triton_decode.DecodeConfig, got "
+                     f"{type(cfg).__name__}")
+  b, hkv, d, dv = spec.batch, spec.heads_kv, spec.head_dim, spec.head_dim_v
+  rows, bk = _rows(spec), _block_kv(spec, cfg)
+  splits = num_splits(spec, cfg, sms)
+  lo, hi = kv.key_range(prep.total, prep.leftpad, spec)
+  bounds = jnp.stack([lo, hi, prep.total, prep.leftpad], axis=1).astype(jnp.int32)
+  if spec.paged:
+    table = jnp.clip(prep.rows, 0, spec.cache_rows - 1).astype(jnp.int32)
+    rows_spec = pl.BlockSpec((None, spec.max_pages), lambda s, i, h: (i, 0))
+    cache_block = (spec.cache_rows, spec.page_size)
+  else:
+    table = prep.rows.astype(jnp.int32)[:, None]
+    rows_spec = pl.BlockSpec((None, 1), lambda s, i, h: (i, 0))
+    cache_block = (spec.cache_rows, spec.capacity)
+  q = kv.group_queries(prep.q, spec)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - q.shape[2]), (0, 0)))
+  precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
+  kernel = functools.partial(_kernel, spec=spec, bk=bk, rows=rows, splits=splits,
+                             precision=precision)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(splits, b, hkv),
+      in_specs=[pl.BlockSpec((None, 4), lambda s, i, h: (i, 0)), rows_spec,
+                pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
+                pl.BlockSpec(cache_block + (None, d), lambda s, i, h: (0, 0, h, 0)),
+                pl.BlockSpec(cache_block + (None, dv), lambda s, i, h: (0, 0, h, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, dv),
+                              lambda s, i, h: (s, i, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
+      interpret=interpret, name="flashjax_pallas_triton_kvcache",
+  )(bounds, table, q, prep.k_cache, prep.v_cache)
+  out, lse = td.combine(o, lse, spec)
+  if spec.num_sinks:
+    out, lse = epilogue.add_sinks(out, lse, sinks)
+  return out.astype(prep.q.dtype), lse
