@@ -120,7 +120,8 @@ def _check_interpret_on_one_device(ops):
     return
   for x in jax.tree.leaves(ops):
     traced = isinstance(x, jax.core.Tracer)
-    if traced or len(getattr(x, "sharding", None).device_set) > 1:
+    sharding = None if traced else getattr(x, "sharding", None)  # numpy: none
+    if traced or sharding is not None and len(sharding.device_set) > 1:
       raise NotImplementedError(
           f"pallas-tpu: interpret mode runs on one device; with {n} devices "
           + ("under jit the inputs may be sharded" if traced else
