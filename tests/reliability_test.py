@@ -61,11 +61,10 @@ def test_two_dim_mask_is_never_misread():
   q16 = jnp.ones((16, 16, 1, 8))
   with pytest.raises(ValueError, match=r"ambiguous.*\[B, 1, 1, Sk\]"):
     attention(q16, q16, q16, tri)
-  # B != Sq: [Sq, Sk] is a mask for every batch element, [B, Sk] key padding.
+  # B != Sq: [Sq, Sk] is a mask for every batch element ([B, Sk] key padding is
+  # checked in frontend_test).
   q, k, v = _qkv(b=2, sq=16, sk=16, seed=2)
   _close(attention(q, k, v, tri), reference.attention(q, k, v, mask=tri))
-  kpm = jnp.arange(16)[None] < jnp.array([[9], [16]])
-  _close(attention(q, k, v, kpm), reference.attention(q, k, v, mask=kpm[:, None, None, :]))
 
 
 # -- static arguments and their messages -------------------------------------------
@@ -105,7 +104,7 @@ def test_every_platform_reason_is_reported():
 
 
 def test_vmap_of_tpu_interpret():
-  q = jax.random.normal(jax.random.key(3), (3, 1, 16, 2, 16))
+  q = jax.random.normal(jax.random.key(3), (2, 1, 16, 2, 16))
   f = lambda x: flashjax.flash_attention(x, x, x, causal=True, backend="tpu",
                                          platform="pallas", interpret=True)
   _close(jax.jit(jax.vmap(f))(q), jax.vmap(lambda x: reference.attention(x, x, x, causal=True))(q))

@@ -151,8 +151,8 @@ EDGE_SCRIPT = textwrap.dedent("""
         f = lambda q, k, v: flashjax.flash_attention(
             q, k, v, causal=True, platform="pallas-triton", interpret=True)
         loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
-        out = jax.jit(f)(q, k, v)
-        grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
+        out, grads = jax.jit(lambda q, k, v: (
+            f(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
         host = [np.asarray(jax.device_get(x)) for x in (q, k, v)]
         ref = lambda q, k, v: reference.attention(q, k, v, causal=True)
         np.testing.assert_allclose(jax.device_get(out), ref(*host), rtol=1e-4, atol=1e-5)
