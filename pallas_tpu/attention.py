@@ -37,10 +37,11 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 
 
 def _vmapped_in_sequence(fn, static: _Static, arrays):
-  """``fn(arrays)`` (a pytree of arrays); in interpret mode a ``vmap`` of it runs the batch one element
-  after another (``lax.map``). Pallas' batching rule adds a grid axis but not its
-  dimension semantics, which the TPU interpreter zips with the grid (JAX 0.10.2:
-  ``safe_zip() argument 1 has length 4 but argument 0 has length 5``)."""
+  """``fn(arrays)`` for a pytree of arrays; in interpret mode a ``vmap`` of it runs
+  the mapped axis one element after another (``lax.map``). Pallas' batching rule
+  adds a grid axis but not its dimension semantics, which the TPU interpreter
+  zips with the grid (JAX 0.10.2: ``safe_zip() argument 1 has length 4 but
+  argument 0 has length 5``)."""
   if not static.interpret:
     return fn(arrays)
   leaves, tree = jax.tree.flatten(arrays)
@@ -75,8 +76,8 @@ def _forward(ops, spec, static: _Static):
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
-  return _vmapped_in_sequence(
-      lambda a: _backward(a[0], spec, static, *a[1:]), static, (ops, out, lse, do, dlse))
+  return _vmapped_in_sequence(lambda a: _backward(a[0], spec, static, *a[1:]),
+                              static, (ops, out, lse, do, dlse))
 
 
 def _backward(ops, spec, static: _Static, out, lse, do, dlse):

@@ -107,7 +107,8 @@ def test_vmap_of_tpu_interpret():
   q = jax.random.normal(jax.random.key(3), (2, 1, 16, 2, 16))
   f = lambda x: flashjax.flash_attention(x, x, x, causal=True, backend="tpu",
                                          platform="pallas", interpret=True)
-  _close(jax.jit(jax.vmap(f))(q), jax.vmap(lambda x: reference.attention(x, x, x, causal=True))(q))
+  ref = lambda x: reference.attention(x, x, x, causal=True)
+  _close(jax.jit(jax.vmap(f))(q), jax.vmap(ref)(q))
 
 
 def test_wide_segment_ids_with_key_padding_stay_distinct():
