@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import registry
+from .common import env
 from .common import spec as spec_lib
 
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -62,6 +65,8 @@ def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=Non
   reasons = []
   for name in registry.preferred_order(backend):
     reason = registry.reason_unsupported(name, spec, backend)
+    if reason is None and interpret and not name.startswith("pallas"):
+      reason = f"{name}: has no interpret mode (interpret=True)"
     if reason is None:
       try:
         result = _call(name, ops, spec, config, block_sizes, interpret)
@@ -137,7 +142,7 @@ def _key_padding_to_segments(key_padding_mask, q, k, segment_ids):
     q_ids = jnp.zeros((b, q.shape[1]), jnp.int32)
     kv_ids = jnp.zeros((b, sk), jnp.int32)
   else:
-    q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segment_ids)
+    q_ids, kv_ids = spec_lib.int32_segment_ids(*(jnp.asarray(x) for x in segment_ids))
   # Padded keys get an id no query has.
   none = jnp.min(q_ids, axis=1, keepdims=True) - 1
   return q_ids, jnp.where(key_padding_mask, kv_ids, none)
@@ -146,7 +151,6 @@ def _key_padding_to_segments(key_padding_mask, q, k, segment_ids):
 # -- jax-flash-attn2 ---------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 def get_cached_flash_attention(backend=None, platform=None, blocksize_q=None,
                                blocksize_k=None, softmax_scale=None):
   """jax-flash-attn2's entry: a cached callable
@@ -156,15 +160,28 @@ def get_cached_flash_attention(backend=None, platform=None, blocksize_q=None,
   Block sizes default to the environment variables ``BLOCKSIZE_M_FLASH_ATTN`` /
   ``BLOCKSIZE_N_FLASH_ATTN`` when set, else to the platform's heuristic.
   """
+  for name, value in (("blocksize_q", blocksize_q), ("blocksize_k", blocksize_k)):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+      raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+  if softmax_scale is not None:
+    spec_lib.static_number(softmax_scale, "softmax_scale")
+  for name, value in (("backend", backend), ("platform", platform)):
+    if value is not None and not isinstance(value, str):
+      raise ValueError(f"{name} must be a string or None, got {value!r}")
+  return _cached_flash_attention(backend, platform, blocksize_q, blocksize_k,
+                                 softmax_scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_flash_attention(backend, platform, blocksize_q, blocksize_k,
+                            softmax_scale):
   if platform is not None:
     registry.resolve(platform, backend or "gpu")  # validate early
-  if blocksize_q is None and os.environ.get("BLOCKSIZE_M_FLASH_ATTN"):
-    blocksize_q = int(os.environ["BLOCKSIZE_M_FLASH_ATTN"])
-  if blocksize_k is None and os.environ.get("BLOCKSIZE_N_FLASH_ATTN"):
-    blocksize_k = int(os.environ["BLOCKSIZE_N_FLASH_ATTN"])
-  for name, value in (("blocksize_q", blocksize_q), ("blocksize_k", blocksize_k)):
-    if value is not None and (not isinstance(value, int) or value < 1):
-      raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+  if blocksize_q is None:
+    blocksize_q = env.positive_int("BLOCKSIZE_M_FLASH_ATTN")
+  if blocksize_k is None:
+    blocksize_k = env.positive_int("BLOCKSIZE_N_FLASH_ATTN")
   blocks = None if blocksize_q is None and blocksize_k is None else (
       blocksize_q, blocksize_k)
 
@@ -173,11 +190,12 @@ def get_cached_flash_attention(backend=None, platform=None, blocksize_q=None,
                 logits_soft_cap=None, segment_ids=None, sinks=None,
                 return_lse=False):
     """``[B, S, H, D]`` attention; ``attention_mask`` is a bool mask
-    broadcastable to ``[B, H, Sq, Sk]`` or a ``[B, Sk]`` key-padding mask."""
+    broadcastable to ``[B, H, Sq, Sk]`` or a ``[B, Sk]`` key-padding mask (see
+    ``_two_dim_mask`` for how a 2-D mask is read)."""
     kpm = None
-    if attention_mask is not None and attention_mask.ndim == 2 and (
-        attention_mask.shape == (key.shape[0], key.shape[1])):
-      kpm, attention_mask = attention_mask.astype(bool), None
+    if attention_mask is not None and getattr(attention_mask, "ndim", None) == 2:
+      if _two_dim_mask(attention_mask.shape, query, key) == "key_padding":
+        kpm, attention_mask = attention_mask.astype(bool), None
     segs = segment_ids
     if kpm is not None:
       segs = _key_padding_to_segments(kpm, query, key, segment_ids)
@@ -194,13 +212,37 @@ def get_cached_flash_attention(backend=None, platform=None, blocksize_q=None,
   return attention
 
 
+def _two_dim_mask(shape, query, key) -> str:
+  """How a 2-D ``attention_mask`` is read: ``[B, Sk]`` is key padding,
+  ``[Sq, Sk]`` a mask shared by the batch. When ``B == Sq`` both readings fit and
+  the call raises instead of guessing; ``[B, 1, 1, Sk]`` (key padding) or
+  ``[1, 1, Sq, Sk]`` (shared) say it explicitly."""
+  b, sq, sk = query.shape[0], query.shape[1], key.shape[1]
+  padding, shared = tuple(shape) == (b, sk), tuple(shape) == (sq, sk)
+  if padding and shared:
+    raise ValueError(
+        f"attention_mask of shape {tuple(shape)} is ambiguous: B = Sq = {b}, so it "
+        "may be a [B, Sk] key-padding mask or an [Sq, Sk] mask; pass it as "
+        f"[B, 1, 1, Sk] = [{b}, 1, 1, {sk}] (key padding) or [1, 1, Sq, Sk] = "
+        f"[1, 1, {sq}, {sk}] (one mask for every batch element)")
+  return "key_padding" if padding else "broadcast"
+
+
 # -- flash-attn-jax / flash-attn3-jax ---------------------------------------------
+
+
+def _window_pair(window_size) -> tuple:
+  """flash-attn's ``window_size``: a ``(left, right)`` pair, -1 = unbounded."""
+  if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    raise ValueError("window_size must be a (left, right) pair of ints (-1 = "
+                     f"unbounded), got {window_size!r}")
+  return tuple(window_size)
 
 
 def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
   """flash-attn-jax's entry: ``[B, S, H, D]``, ``window_size=(left, right)``."""
   return flash_attention(q, k, v, softmax_scale=softmax_scale, causal=is_causal,
-                         sliding_window=tuple(window_size))
+                         sliding_window=_window_pair(window_size))
 
 
 def _cu_to_ids(cu, total, pad_id):
@@ -230,6 +272,21 @@ def _end_aligned_layout(cu_q, cu_k, total_q, total_k):
   return positions(cu_q, len_q, total_q), positions(cu_k, len_k, total_k)
 
 
+def _check_offsets(name, cu, total):
+  """``ValueError`` unless concrete offsets ``cu`` start at 0, never decrease and
+  end at most at ``total``; traced offsets pass unchecked (see flash_mha_varlen)."""
+  if isinstance(cu, jax.core.Tracer):
+    return
+  offsets = np.asarray(cu)
+  if offsets.size == 0 or offsets[0] != 0:
+    raise ValueError(f"{name} must start at 0, got {offsets.tolist()}")
+  if np.any(np.diff(offsets) < 0):
+    raise ValueError(f"{name} must be non-decreasing, got {offsets.tolist()}")
+  if offsets[-1] > total:
+    raise ValueError(f"{name} ends at {int(offsets[-1])}, past the {total} packed "
+                     f"rows: {offsets.tolist()}")
+
+
 def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale=None, is_causal=False,
                      window_size=(-1, -1)):
@@ -244,6 +301,13 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   ``cu_seqlens_q is cu_seqlens_k`` this runs on the packed rows directly;
   otherwise rows are moved to an end-aligned layout of ``total_q + total_k`` rows
   first (more work, same result).
+
+  Concrete offsets are checked: each must start at 0, never decrease and end at
+  most at its total, else ``ValueError``. Under ``jit`` the offsets are traced
+  values and are not checked: offsets that break these rules give unspecified
+  output (no error, no NaN guarantee), so validate them before tracing.
+  ``max_seqlen_q`` / ``max_seqlen_k`` are static ints (Python or numpy/JAX
+  integer scalars outside jit); they are checked, not used.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 3:
@@ -257,8 +321,15 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length, got "
                      f"{cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
   for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-    if not isinstance(m, int) or m < 1:
-      raise ValueError(f"{name} must be a positive int, got {m!r}")
+    try:
+      ok = not isinstance(m, bool) and operator.index(m) >= 1
+    except TypeError:  # not an integer, or a traced value
+      ok = False
+    if not ok:
+      raise ValueError(f"{name} must be a positive int (static), got {m!r}")
+  _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+  _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+  window_size = _window_pair(window_size)
   banded = is_causal or tuple(window_size) != (-1, -1)
   if banded and (cu_seqlens_q is not cu_seqlens_k or q.shape[0] != k.shape[0]):
     pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],

@@ -88,8 +88,11 @@ class GpuTarget:
 
   @property
   def streamed_budget(self) -> int:
-    return self.shared_memory - 27 * 1024
+    return self.shared_memory - RESERVED
 
+
+# Shared memory left to the resident tiles of 2-byte inputs (measured on Hopper).
+RESERVED = 27 * 1024
 
 HOPPER = GpuTarget("hopper/blackwell-datacenter", 227 * 1024, hopper=True)
 # Per-block shared memory by CUDA compute capability (CUDA programming guide), and
@@ -142,9 +145,19 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
   for 2-byte inputs without bias; fp32 doubles their bytes (a 128-key fp32 tile at
   D = 128 with 3 stages asks for 384 KiB and fails to launch), and a bias or mask
   tile rides along each streamed row (bf16 D = 128 with a full fp32 bias asked an
-  H200 for 353 KiB)."""
-  row_bytes = ((tile_size(spec.head_dim) + tile_size(spec.head_dim_v)) *
-               jnp.dtype(spec.dtype).itemsize)
+  H200 for 353 KiB).
+
+  fp32 dots stage both operands in shared memory, so at 4 bytes a resident tile
+  and, in the forward, the ``block_q x block_kv`` probabilities count too,
+  against the whole of ``budget + RESERVED``. Triton's sm_90 compiles of the
+  triton platform's fp32 D = 80 kernels (padded to 128; 2026-11-24): the forward
+  with 128 x 64 tiles and 3 stages takes 295424 bytes = 3 x 64 x 1 KiB (K, V) +
+  64 KiB (Q) + 32 KiB (P) + 512, over an H200's 232448 (it failed to launch); dq
+  and dkv with 64 x 64 tiles and 2 stages take 163840 and 164352 = 2 x 64 x 1 KiB
+  + 32 KiB (one resident tile) + 0 / 512."""
+  itemsize = jnp.dtype(spec.dtype).itemsize
+  dq, dv = tile_size(spec.head_dim), tile_size(spec.head_dim_v)
+  row_bytes = (dq + dv) * itemsize
 
   def tile_bytes(shape, itemsize, other):
     # Bytes per streamed row of a [.., Sq, Sk] tile: a full other side is
@@ -153,18 +166,30 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
       return 0
     return itemsize * (other if min(shape[2], shape[3]) > 1 else 1)
 
-  def fit(c, streamed, other):
-    o = getattr(c, other)  # only the streamed side is halved
+  def fits(c, streamed, other, resident_cols, probs):
+    o = getattr(c, other)
     per_row = (row_bytes + tile_bytes(spec.bias_shape, 4, o) +
                tile_bytes(spec.mask_shape, 1, o) + 4 * spec.has_segment_ids)
-    while c.num_stages * getattr(c, streamed) * per_row > budget and (
-        getattr(c, streamed) > 16):
-      c = dataclasses.replace(c, **{streamed: getattr(c, streamed) // 2})
+    pipelined = c.num_stages * getattr(c, streamed) * per_row
+    if itemsize < 4:
+      return pipelined <= budget
+    resident = (o * resident_cols + probs * c.block_q * c.block_kv) * 4
+    return pipelined <= budget and pipelined + resident <= budget + RESERVED
+
+  def fit(c, streamed, other, resident_cols, probs=False):
+    # The streamed side is halved first; the resident side only where 16
+    # streamed rows still do not fit (fp32 wide heads on 64-99 KiB devices).
+    while not fits(c, streamed, other, resident_cols, probs):
+      side = streamed if getattr(c, streamed) > 16 else other
+      if getattr(c, side) <= 16:
+        break
+      c = dataclasses.replace(c, **{side: getattr(c, side) // 2})
     return c
 
-  return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv", "block_q"),
-                             dq=fit(cfg.dq, "block_kv", "block_q"),
-                             dkv=fit(cfg.dkv, "block_q", "block_kv"))
+  wide = max(dq, dv)
+  return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv", "block_q", dq, True),
+                             dq=fit(cfg.dq, "block_kv", "block_q", wide),
+                             dkv=fit(cfg.dkv, "block_q", "block_kv", wide))
 
 
 def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:

@@ -104,18 +104,36 @@ def _named(mesh, pspecs):
   return tuple(NamedSharding(mesh, p) for p in pspecs)
 
 
-def _terms(spec: AttentionSpec, ops: Operands) -> list[str]:
+def _head_factors(spec: AttentionSpec, devices: int) -> tuple[str, str | None]:
+  """Shardy terms of the query and kv head dims: kv heads ``k`` times the group
+  ``g``. A factor of size 1 may not join a compound dim, so MHA is ``k`` alone and
+  MQA is ``g`` alone, its kv head dim (None) a factor of its own. Where some split
+  of the ``devices`` would not divide the kv heads, query heads ``h`` share no
+  factor with kv heads: the partition gathers those (``_plan``), and a shared
+  factor would let propagation hand it kv heads split over part of a mesh axis,
+  which it cannot take (Hkv = 2 over 4 devices)."""
+  if spec.group_size == 1:
+    return "k", "k"
+  if spec.heads_kv == 1:
+    return "g", None
+  if spec.heads_kv % devices:
+    return "h", None
+  return "(k g)", "k"
+
+
+def _terms(spec: AttentionSpec, ops: Operands, devices: int) -> list[str]:
   """Einsum-like Shardy terms of the present operands: batch ``b``, kv heads ``k``
   and group ``g`` are shared factors; every other dim gets a factor of its own."""
   fresh = iter(f"z{i}" for i in range(64))
-  heads = "(k g)" if spec.group_size > 1 else "k"
+  heads, kv_heads = _head_factors(spec, devices)
+  kv = lambda: kv_heads or next(fresh)
 
   def four(shape):
     bb, hb = shape[:2]
     return " ".join(["b" if bb > 1 else next(fresh), heads if hb > 1 else next(fresh),
                      next(fresh), next(fresh)])
 
-  terms = {"q": f"b s {heads} d", "k": "b t k d", "v": "b t k e",
+  terms = {"q": f"b s {heads} d", "k": f"b t {kv()} d", "v": f"b t {kv()} e",
            "bias": four(spec.bias_shape) if ops.bias is not None else None,
            "mask": four(spec.mask_shape) if ops.mask is not None else None,
            "q_segment_ids": "b s", "kv_segment_ids": "b t",
@@ -125,9 +143,10 @@ def _terms(spec: AttentionSpec, ops: Operands) -> list[str]:
 
 def _sharding_rule(kind, static, mesh, value_types, result_types):
   _, spec, _, ops_struct = static
-  ins = _terms(spec, ops_struct)
-  factors = {"g": spec.group_size} if spec.group_size > 1 else {}
-  heads = "(k g)" if spec.group_size > 1 else "k"
+  devices = math.prod(mesh.shape.values())
+  ins = _terms(spec, ops_struct, devices)
+  heads, _ = _head_factors(spec, devices)
+  factors = {"g": spec.group_size} if heads == "(k g)" else {}
   row, lse = f"b s {heads} e", f"b {heads} s"
   if kind == "fwd":
     return f"{', '.join(ins)} -> {row}, {lse}", factors

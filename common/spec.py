@@ -147,6 +147,37 @@ def parse_window(sliding_window, causal: bool) -> tuple[int | None, int | None]:
   return left, right
 
 
+def static_number(x, name: str):
+  """Raises ``ValueError`` when ``x`` is an array (a JAX array, traced or not, or
+  a numpy array): ``name`` selects kernels and tiles at trace time, so it must be
+  a Python (or numpy scalar) number."""
+  if isinstance(x, (jax.Array, np.ndarray)) or (
+      hasattr(x, "shape") and not isinstance(x, np.generic)):
+    raise ValueError(f"{name} must be a Python number (static: it is fixed when the "
+                     f"call is traced), got an array {getattr(x, 'dtype', '')}"
+                     f"{list(getattr(x, 'shape', ()))}; pass float(x) outside jit")
+
+
+def int32_segment_ids(q_ids, kv_ids):
+  """Segment ids as int32, equal exactly where the given ids are equal.
+
+  Ids of one 32-bit-or-narrower dtype are cast (a bijection). Wider or mixed ids
+  (int64 under ``jax_enable_x64``, where a cast would make 0 and 2**32 equal) are
+  replaced by their rank among all ids of the call: equality and order are kept,
+  and ranks fit int32 (a call has fewer than 2**31 ids)."""
+  dq, dk = jnp.dtype(q_ids.dtype), jnp.dtype(kv_ids.dtype)
+  if dq == dk and dq.itemsize <= 4:
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  common = jnp.promote_types(dq, dk)
+  if not jnp.issubdtype(common, jnp.integer):
+    raise ValueError(f"segment_ids dtypes {dq.name} (q) and {dk.name} (kv) have no "
+                     "common integer type; pass both as one dtype")
+  q_ids, kv_ids = q_ids.astype(common), kv_ids.astype(common)
+  ids = jnp.sort(jnp.concatenate([q_ids.ravel(), kv_ids.ravel()]))
+  rank = lambda x: jnp.searchsorted(ids, x, side="left").astype(jnp.int32)
+  return rank(q_ids), rank(kv_ids)
+
+
 def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
                  sliding_window=None, segment_ids=None, softmax_scale=None,
                  logits_soft_cap=None, sinks=None, dropout_rate=0.0,
@@ -181,6 +212,7 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
 
   if softmax_scale is None:
     softmax_scale = 1.0 / math.sqrt(d)
+  static_number(softmax_scale, "softmax_scale")
   if (not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool)
       or not math.isfinite(softmax_scale) or softmax_scale <= 0):
     raise ValueError("softmax_scale must be a finite positive number, got "
@@ -209,9 +241,10 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
                          f"{_shape(ids, name)}")
       if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer, got dtype {_dtype_name(ids)}")
-    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    q_ids, kv_ids = int32_segment_ids(q_ids, kv_ids)
 
   if logits_soft_cap is not None:
+    static_number(logits_soft_cap, "logits_soft_cap")
     if (not isinstance(logits_soft_cap, numbers.Real) or isinstance(
         logits_soft_cap, bool) or not math.isfinite(logits_soft_cap)
         or logits_soft_cap <= 0):
@@ -233,6 +266,7 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
     if num_sinks < 1:
       raise ValueError(f"sinks must have at least one sink per head, got {ss}")
 
+  static_number(dropout_rate, "dropout_rate")
   if (not isinstance(dropout_rate, numbers.Real) or isinstance(dropout_rate, bool)
       or not 0.0 <= dropout_rate < 1.0):
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
@@ -35,7 +36,39 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
   return spec_lib.unsupported_dtype_or_head_dim(spec, "pallas-tpu", DTYPES, MAX_HEAD_DIM)
 
 
+def _vmapped_in_sequence(fn, static: _Static, arrays):
+  """``fn(arrays)`` for a pytree of arrays; in interpret mode a ``vmap`` of it runs
+  the mapped axis one element after another (``lax.map``). Pallas' batching rule
+  adds a grid axis but not its dimension semantics, which the TPU interpreter
+  zips with the grid (JAX 0.10.2: ``safe_zip() argument 1 has length 4 but
+  argument 0 has length 5``)."""
+  if not static.interpret:
+    return fn(arrays)
+  leaves, tree = jax.tree.flatten(arrays)
+
+  @jax.custom_batching.custom_vmap
+  def call(*leaves):
+    return fn(jax.tree.unflatten(tree, leaves))
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, *leaves):
+    del axis_size
+
+    def one(batched):
+      it = iter(batched)
+      return call(*(next(it) if b else x for x, b in zip(leaves, in_batched)))
+
+    out = jax.lax.map(one, [x for x, b in zip(leaves, in_batched) if b])
+    return out, jax.tree.map(lambda _: True, out)
+
+  return call(*leaves)
+
+
 def forward(ops, spec, static: _Static):
+  return _vmapped_in_sequence(lambda ops: _forward(ops, spec, static), static, ops)
+
+
+def _forward(ops, spec, static: _Static):
   plan = make_plan(spec, static.config.fwd)
   out, lse = fwd_lib.forward(prepare(ops, plan), plan,
                              interpret=static.interpret_params)
@@ -43,6 +76,11 @@ def forward(ops, spec, static: _Static):
 
 
 def backward(ops, spec, static: _Static, out, lse, do, dlse):
+  return _vmapped_in_sequence(lambda a: _backward(a[0], spec, static, *a[1:]),
+                              static, (ops, out, lse, do, dlse))
+
+
+def _backward(ops, spec, static: _Static, out, lse, do, dlse):
   plan = make_plan(spec, static.config.bwd)
   x = prepare(ops, plan)
   delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse,
@@ -72,14 +110,38 @@ def _static(spec, config, interpret) -> _Static:
   return _Static(config=config, interpret=bool(interpret))
 
 
+def _check_interpret_on_one_device(ops):
+  """Interpret mode needs the whole call on one device. Under jit on a host with
+  several devices the inputs may be sharded (a tracer does not say), and XLA then
+  runs the interpreter's callbacks on one device while the others wait in a
+  collective: the process aborts after 40 s (``Termination timeout for all
+  reduce``, measured with 4 CPU devices, JAX 0.10.2). So that case raises."""
+  n = jax.device_count()
+  if n == 1:
+    return
+  for x in jax.tree.leaves(ops):
+    traced = isinstance(x, jax.core.Tracer)
+    sharding = None if traced else getattr(x, "sharding", None)  # numpy: none
+    if traced or sharding is not None and len(sharding.device_set) > 1:
+      raise NotImplementedError(
+          f"pallas-tpu: interpret mode runs on one device; with {n} devices "
+          + ("under jit the inputs may be sharded" if traced else
+             "the inputs are sharded") + ", and XLA would run the interpreter's "
+          "callbacks on one device while the others wait (a deadlock). Run it with "
+          "one device or on unsharded arrays outside jit, or use platform='xla' "
+          "(or 'pallas-triton' with interpret=True), which split sharded inputs")
+
+
 def attention_from_operands(ops, spec, config: TpuConfig | None = None,
                             interpret: bool = False):
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
   static = _static(spec, config, interpret)
+  if static.interpret:
+    _check_interpret_on_one_device(ops)
   # TPU interpret mode runs on ordered io_callbacks, which a custom_partitioning
-  # lowering cannot hold: interpreted calls leave sharded inputs to XLA (gathered).
+  # lowering cannot hold: interpreted calls are not split per shard.
   return vjp.attention(forward, backward, ops, spec, static,
                        per_shard=not static.interpret)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
 from ..common import dropout as dropout_lib
+from ..common import env
 from ..common.launch import (GpuTarget, KernelConfig, KernelsConfig, fit_to_lengths,
                              fit_to_shared_memory, gpu_target, tile_size,
                              with_forward_blocks)
@@ -36,9 +36,8 @@ def default_config(spec: AttentionSpec,
         fwd=Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
         dq=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),
         dkv=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1))
-  m = os.environ.get("BLOCKSIZE_M_FLASH_ATTN")
-  n = os.environ.get("BLOCKSIZE_N_FLASH_ATTN")
-  cfg = with_forward_blocks(cfg, int(m) if m else None, int(n) if n else None)
+  cfg = with_forward_blocks(cfg, env.positive_int("BLOCKSIZE_M_FLASH_ATTN"),
+                            env.positive_int("BLOCKSIZE_N_FLASH_ATTN"))
   budget = (target or gpu_target()).streamed_budget
   return fit_to_shared_memory(fit_to_lengths(cfg, spec), spec, budget=budget)
 

@@ -91,8 +91,11 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
       if dbias is not None:
         db = transpose(epilogue.reduce_to_shape(ds, transpose_shape(dbias.shape)),
                        back=True)
-        starts = [0, 0, 0, i * lay_q.block_q if dbias.shape[3] > 1 else 0,
-                  j * lay.block_kv if dbias.shape[4] > 1 else 0]
+        # One index dtype: under jax_enable_x64 the scan index j is int64 while
+        # the loop index i is int32, and dynamic_slice rejects a mix.
+        starts = [jnp.asarray(s, jnp.int32) for s in (
+            0, 0, 0, i * lay_q.block_q if dbias.shape[3] > 1 else 0,
+            j * lay.block_kv if dbias.shape[4] > 1 else 0)]
         old = jax.lax.dynamic_slice(dbias, starts, db.shape)
         dbias = jax.lax.dynamic_update_slice(dbias, old + db, starts)
       ds_c = ds.astype(lay.compute_dtype)

@@ -52,13 +52,55 @@ VARIANTS = [
 TY = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
 
+def _compile(spec, arch, only=None):
+  """The triton platform's kernels for ``spec`` with its default config, compiled
+  by Triton for ``sm_<arch>`` (no GPU needed): ``{kernel name: (launch config,
+  compiled kernel)}``; ``only`` names a subset."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from flashjax.triton_gpu import kernels
+  cfg = triton_gpu.default_config(spec)
+  geo = plan.Geometry.of(spec, cfg)
+  # Padded bias/mask shapes as attention.py passes them (size-1 dims broadcast).
+  padded = lambda shape: None if shape is None else tuple(
+      n if n == 1 else p for n, p in zip(
+          shape, (spec.batch, spec.heads_q, geo.seq_q_padded, geo.seq_k_padded)))
+  bias_shape, mask_shape = padded(spec.bias_shape), padded(spec.mask_shape)
+  t, f32, i32, i8 = TY[spec.dtype], "*fp32", "*i32", "*i8"
+  bias_t = f32 if bias_shape is not None else i32
+  mask_t = i8 if mask_shape is not None else i32
+  opt = [i32, i32, bias_t, mask_t, i32, i32]  # ids, bias, mask, seed, table
+  args = {
+      kernels.fwd_kernel: (cfg.fwd, [t, t, t] + opt + [t, f32]),
+      kernels.dq_kernel: (cfg.dq, [t, t, t, t, f32, f32] + opt + [t, f32]),
+      kernels.dkv_kernel: (cfg.dkv, [t, t, t, t, f32, f32] + opt + [t, t]),
+  }
+  compiled = {}
+  for fn, (launch, ptrs) in args.items():
+    if only is not None and fn.__name__ not in only:
+      continue
+    constexprs = plan.constexprs(spec, geo, launch.block_q, launch.block_kv,
+                                 dataclasses.replace(cfg, fp32_precision="ieee"),
+                                 bias_shape, mask_shape)
+    names = list(fn.arg_names)
+    signature = dict(zip(names, ptrs))
+    signature.update({n: "constexpr" for n in constexprs})
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled[fn.__name__] = (launch, triton.compile(
+        src, target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages)))
+  return compiled
+
+
+# Shared memory one block may use on an H100/H200 (sm_90), as the device reports
+# it (cudaDevAttrMaxSharedMemoryPerBlockOptin) and as launches that exceed it say.
+HOPPER_MAX_SHARED = 232448
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-D{v[1]}-{v[2]}")
 def test_every_kernel_compiles_for_ampere_and_hopper(variant, arch):
-  import triton
-  from triton.backends.compiler import GPUTarget
-  from flashjax.triton_gpu import kernels
   dtype, d, kw = variant
   kw = dict(kw)
   if kw.pop("segment_ids", False):
@@ -69,34 +111,26 @@ def test_every_kernel_compiles_for_ampere_and_hopper(variant, arch):
       kw[name] = jax.ShapeDtypeStruct(kw[name], dt)
   spec = _spec(head_dim=d, dtype=dtype, **kw)
   assert triton_gpu.supported(spec) is None or "not installed" in triton_gpu.supported(spec)
-  cfg = triton_gpu.default_config(spec)
-  geo = plan.Geometry.of(spec, cfg)
-  # Padded bias/mask shapes as attention.py passes them (size-1 dims broadcast).
-  padded = lambda shape: None if shape is None else tuple(
-      n if n == 1 else p for n, p in zip(
-          shape, (spec.batch, spec.heads_q, geo.seq_q_padded, geo.seq_k_padded)))
-  bias_shape, mask_shape = padded(spec.bias_shape), padded(spec.mask_shape)
-  t, f32, i32, i8 = TY[dtype], "*fp32", "*i32", "*i8"
-  bias_t = f32 if bias_shape is not None else i32
-  mask_t = i8 if mask_shape is not None else i32
-  opt = [i32, i32, bias_t, mask_t, i32, i32]  # ids, bias, mask, seed, table
-  args = {
-      kernels.fwd_kernel: (cfg.fwd, [t, t, t] + opt + [t, f32]),
-      kernels.dq_kernel: (cfg.dq, [t, t, t, t, f32, f32] + opt + [t, f32]),
-      kernels.dkv_kernel: (cfg.dkv, [t, t, t, t, f32, f32] + opt + [t, t]),
-  }
-  for fn, (launch, ptrs) in args.items():
-    constexprs = plan.constexprs(spec, geo, launch.block_q, launch.block_kv,
-                                 dataclasses.replace(cfg, fp32_precision="ieee"),
-                                 bias_shape, mask_shape)
-    names = list(fn.arg_names)
-    signature = dict(zip(names, ptrs))
-    signature.update({n: "constexpr" for n in constexprs})
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=launch.num_warps,
-                                           num_stages=launch.num_stages))
-    assert compiled.asm["cubin"], fn.__name__
+  for name, (launch, compiled) in _compile(spec, arch).items():
+    assert compiled.asm["cubin"], name
+    if arch == 90:  # without a GPU the defaults are sized for Hopper
+      assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (name, launch)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fp32_forward_fits_hopper_shared_memory():
+  """fp32 D = 80 with a per-key bias, causal, window (0, 0), sinks: the default
+  forward (128 x 64 tiles, 3 stages) asked an H200 for 295424 bytes of shared
+  memory (the limit is 232448) and failed at run time; fp32 dots stage Q and P in
+  shared memory too, which the sizing now counts."""
+  sd = jax.ShapeDtypeStruct
+  spec = spec_lib.abstract_spec(
+      batch=1, seq_q=130, seq_k=130, heads_q=4, head_dim=80, dtype="float32",
+      causal=True, sliding_window=(0, 0), bias=sd((1, 4, 1, 130), jnp.float32),
+      sinks=sd((4,), jnp.float32), softmax_scale=0.3)
+  launch, compiled = _compile(spec, 90, only=("fwd_kernel",))["fwd_kernel"]
+  assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (
+      launch, compiled.metadata.shared)
 
 
 BANDS = [(None, None), (None, 0), (32, 0), (0, 0), (100, 20), (5, None)]

@@ -1,0 +1,21 @@
+"""Environment variables read as numbers, with errors that name the variable."""
+
+from __future__ import annotations
+
+import os
+
+
+def positive_int(name: str) -> int | None:
+  """The positive int in environment variable ``name``; None when it is unset or
+  empty. Anything else raises ``ValueError`` naming the variable and its value."""
+  raw = os.environ.get(name, "").strip()
+  if not raw:
+    return None
+  try:
+    value = int(raw)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise ValueError(f"environment variable {name} must be a positive int, got "
+                     f"{os.environ[name]!r}")
+  return value
