@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 from .api import (flash_attention, flash_mha, flash_mha_varlen,
                   get_cached_flash_attention)
 from .common.spec import FEATURES, AttentionSpec
+from .ring import ring_attention, zigzag_order, zigzag_restore
 
 __all__ = ["flash_attention", "flash_mha", "flash_mha_varlen",
-           "get_cached_flash_attention", "AttentionSpec", "FEATURES"]
+           "get_cached_flash_attention", "AttentionSpec", "FEATURES",
+           "ring_attention", "zigzag_order", "zigzag_restore"]

@@ -1,0 +1,106 @@
+"""Ring attention on sequence shards, for use inside ``shard_map``
+(common/ring.py holds the ring itself)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from . import api, registry
+from .common import ring as ring_lib
+from .common import spec as spec_lib
+from .common import vjp
+from .common.mask import Band
+from .common.ring import LAYOUTS, zigzag_order, zigzag_restore
+
+# Platforms whose dropout takes sequence offsets (dropout.position_seed).
+DROPOUT_POSITION_OFFSETS = ("xla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopKernel:
+  """The platform choice of a ring call; called with one hop's operands and spec,
+  returns the platform's ``(forward, backward, config)``."""
+
+  backend: str
+  platform: str | None
+  config: Any = None
+  interpret: bool = False
+
+  def __call__(self, ops, spec):
+    return vjp.kernel_parts(lambda: api.dispatch(
+        ops, spec, backend=self.backend, platform=self.platform, config=self.config,
+        interpret=self.interpret))
+
+
+def _platform(platform, backend, spec, interpret):
+  """The platform to ask for: dropout needs one that hashes global positions."""
+  if spec.dropout_rate == 0:
+    return platform
+  if platform is None and not interpret:
+    return "xla"
+  name = registry.resolve(platform or "pallas", backend)
+  if name not in DROPOUT_POSITION_OFFSETS:
+    raise NotImplementedError(
+        f"platform {name!r} cannot run dropout in ring attention (its kernels hash "
+        f"shard-local positions); use platform='xla' (dropout_rate="
+        f"{spec.dropout_rate})")
+  return platform
+
+
+def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=False,
+                   sliding_window=None, segment_ids=None, softmax_scale=None,
+                   logits_soft_cap=None, sinks=None, dropout_rate=0.0,
+                   dropout_seed=None, return_lse=False, bias=None, mask=None,
+                   backend=None, platform=None, config=None, interpret=False):
+  """Exact attention over sequences split along the mesh axis ``axis_name``; call
+  it inside ``shard_map`` on each device's shard.
+
+  Device ``r`` of the ``n`` along ``axis_name`` holds rows of q, k and v (and of the
+  segment ids) by ``layout``: "contiguous", rows ``[r S/n, (r + 1) S/n)`` of each;
+  "zigzag", chunks ``r`` and ``2n - 1 - r`` of ``2n`` (``zigzag_order`` puts a
+  whole sequence in that order), which balances causal work. K/V blocks travel
+  around the ring (``ppermute``); nothing is gathered. The result is the
+  unsplit call's on the whole sequences, in the same layout: causal and windows
+  are aligned on the global sequences, sinks count once, dropout hashes global
+  positions (batch and head indices are the shard's own).
+
+  Args:
+    q, k, v: local shards ``[B, Sq/n, Hq, D]``, ``[B, Sk/n, Hkv, D]``,
+      ``[B, Sk/n, Hkv, Dv]``.
+    axis_name: the mesh axis (of the enclosing ``shard_map``) splitting the
+      sequences.
+    layout: "contiguous" or "zigzag".
+    causal, sliding_window, segment_ids (local shards), softmax_scale,
+      logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse, backend,
+      platform, config, interpret: as in ``flash_attention``. ``bias`` and
+      ``mask`` are not implemented here (``NotImplementedError``).
+
+  Returns:
+    The local ``out [B, Sq/n, Hq, Dv]``, or ``(out, lse [B, Hq, Sq/n])``.
+  """
+  ring_lib.check_layout(layout)
+  try:
+    n = jax.lax.axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(f"ring_attention runs inside shard_map with axis_name a mesh "
+                     f"axis; axis_name={axis_name!r} is not bound ({e})") from e
+  ops, spec = spec_lib.canonicalize(
+      q, k, v, bias=bias, mask=mask, causal=causal, sliding_window=sliding_window,
+      segment_ids=segment_ids, softmax_scale=softmax_scale,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_seed=dropout_seed, return_lse=return_lse)
+  band = Band(seq_q=n * spec.seq_q, seq_k=n * spec.seq_k, left=spec.band.left,
+              right=spec.band.right)
+  plan = ring_lib.RingPlan(axis_name=axis_name, num_shards=n, layout=layout,
+                           band=band)
+  backend = api.detect_backend(backend, q)
+  kernel = HopKernel(backend, _platform(platform, backend, spec, interpret), config,
+                     bool(interpret))
+  out, lse = ring_lib.attention(kernel, plan, ops, spec)
+  return (out, lse) if return_lse else out
+
+
+__all__ = ["ring_attention", "zigzag_order", "zigzag_restore", "LAYOUTS"]
