@@ -75,8 +75,11 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
     layout: "contiguous" or "zigzag".
     causal, sliding_window, segment_ids (local shards), softmax_scale,
       logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse, backend,
-      platform, config, interpret: as in ``flash_attention``. ``bias`` and
-      ``mask`` are not implemented here (``NotImplementedError``).
+      platform, config, interpret: as in ``flash_attention``.
+    bias, mask: broadcastable to ``[B, Hq, Sq/n, Sk]``: this device's query rows
+      and all keys as columns, in the layout's order (the devices' shards one
+      after another); a bias with one row for all queries gets its gradient
+      summed over the ring.
 
   Returns:
     The local ``out [B, Sq/n, Hq, Dv]``, or ``(out, lse [B, Hq, Sq/n])``.
@@ -88,10 +91,18 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
     raise ValueError(f"ring_attention runs inside shard_map with axis_name a mesh "
                      f"axis; axis_name={axis_name!r} is not bound ({e})") from e
   ops, spec = spec_lib.canonicalize(
-      q, k, v, bias=bias, mask=mask, causal=causal, sliding_window=sliding_window,
+      q, k, v, causal=causal, sliding_window=sliding_window,
       segment_ids=segment_ids, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
       dropout_seed=dropout_seed, return_lse=return_lse)
+  # Bias and mask rows are this device's; their columns are all keys.
+  full = (spec.batch, spec.heads_q, spec.seq_q, n * spec.seq_k)
+  shapes = {}
+  for name, x, kind in (("bias", bias, "float"), ("mask", mask, "bool")):
+    if x is not None:
+      x, shapes[f"{name}_shape"] = spec_lib.broadcast_rank4(x, name, full, kind=kind)
+      ops = ops._replace(**{name: x})
+  spec = dataclasses.replace(spec, **shapes)
   band = Band(seq_q=n * spec.seq_q, seq_k=n * spec.seq_k, left=spec.band.left,
               right=spec.band.right)
   plan = ring_lib.RingPlan(axis_name=axis_name, num_shards=n, layout=layout,

@@ -136,10 +136,16 @@ def check_local_shapes(plan: RingPlan, spec: AttentionSpec):
 
 def hop_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
   """The spec of one (q chunk, kv chunk) kernel call: chunk sizes, the pair's
-  band, no sinks (added once after the merge)."""
+  band, the bias/mask block's shape, no sinks (added once after the merge)."""
+  def block(shape):
+    if shape is None:
+      return None
+    return shape[:2] + (band.seq_q if shape[2] > 1 else 1,
+                        band.seq_k if shape[3] > 1 else 1)
   return dataclasses.replace(
       spec, seq_q=band.seq_q, seq_k=band.seq_k, band=band,
-      causal=band.left is None and band.right == 0, num_sinks=0)
+      causal=band.left is None and band.right == 0, num_sinks=0,
+      bias_shape=block(spec.bias_shape), mask_shape=block(spec.mask_shape))
 
 
 def _offset(axes, size):
@@ -170,6 +176,22 @@ class _Ring:
       return x
     perm = [(i, (i + 1) % self.n) for i in range(self.n)]
     return jax.lax.ppermute(x, self.plan.axis_name, perm)
+
+  def key_start(self, hop, b):
+    """First column of kv chunk ``b`` at ``hop`` in a bias/mask whose columns are
+    all keys in the layout's order (the devices' shards one after another)."""
+    src = (self.r - hop) % self.n
+    return src * self.spec.seq_k + b * self.ck
+
+  def dense_block(self, x, hop, a, b):
+    """The bias/mask block of pair (a, b) at ``hop`` (size-1 dims stay 1)."""
+    if x is None:
+      return None
+    if x.shape[2] > 1:
+      x = self.q_rows(x, a, axis=2)
+    if x.shape[3] > 1:
+      x = jax.lax.dynamic_slice_in_dim(x, self.key_start(hop, b), self.ck, axis=3)
+    return x
 
   def seed(self, ops: Operands, hop, a, b):
     """The dropout seed of pair (a, b) at ``hop``: global offsets of its rows."""
@@ -212,7 +234,8 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
 
   ``kernel(ops, spec) -> (forward, backward, config)`` gives the platform's
   functions for a hop's spec (``vjp.kernel_parts``); ``spec`` has the local sizes
-  and the global band in ``plan``.
+  (the global band is ``plan.band``). A bias or mask has this device's rows and
+  all ``n * Sk_local`` keys as columns, in the layout's order.
   """
   ring = _Ring(plan, spec)
   f32 = jnp.promote_types(ops.q.dtype, jnp.float32)
@@ -224,29 +247,30 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
            vary_like(jnp.full((spec.batch, spec.heads_q, ring.cq), -jnp.inf, f32),
                      q, ops.k)) for q in qs]
 
-  def run(band, q, k, v, qi, ki, seed):
+  def run(band, sub):
     hs = hop_spec(spec, band)
-    sub = Operands(q=q, k=k, v=v, q_segment_ids=qi, kv_segment_ids=ki,
-                   dropout_seed=seed)
+    sub = Operands(**sub)
     fwd, _, config = kernel(sub, hs)
     out, lse = fwd(sub, hs, config)
     return out.astype(f32), lse.astype(f32)
 
-  def empty(q, k, v, qi, ki, seed):
-    del qi, ki, seed
-    return (vary_like(jnp.zeros(q.shape[:3] + (spec.head_dim_v,), f32), q, k, v),
+  def empty(sub):
+    refs = jax.tree.leaves(sub)
+    return (vary_like(jnp.zeros(sub["q"].shape[:3] + (spec.head_dim_v,), f32), *refs),
             vary_like(jnp.full((spec.batch, spec.heads_q, ring.cq), -jnp.inf, f32),
-                      q, k, v))
+                      *refs))
 
   def hop(hops, t, kv, acc):
     k, v, kv_ids = kv
     acc = list(acc)
     for a, b in ring.pairs:
-      part = ring.switch(hops, t, a, b, run, empty, qs[a], ring.kv_rows(k, b),
-                         ring.kv_rows(v, b), q_ids[a],
-                         None if kv_ids is None else ring.kv_rows(kv_ids, b),
-                         ring.seed(ops, hops[0] + t, a, b))
-      acc[a] = _merge(acc[a], part)
+      at = hops[0] + t
+      sub = dict(q=qs[a], k=ring.kv_rows(k, b), v=ring.kv_rows(v, b),
+                 bias=ring.dense_block(ops.bias, at, a, b),
+                 mask=ring.dense_block(ops.mask, at, a, b), q_segment_ids=q_ids[a],
+                 kv_segment_ids=None if kv_ids is None else ring.kv_rows(kv_ids, b),
+                 dropout_seed=ring.seed(ops, at, a, b))
+      acc[a] = _merge(acc[a], ring.switch(hops, t, a, b, run, empty, sub))
     return acc
 
   kv, acc = kv0, acc0
@@ -292,60 +316,81 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
                 lse=rows(lse, a, 2), dlse=rows(dlse, a, 2),
                 ids=None if ops.q_segment_ids is None else rows(ops.q_segment_ids, a))
            for a in range(plan.num_chunks)]
-  like = lambda x: vary_like(jnp.zeros(x.shape, f32), ops.q, ops.k)
+  refs = (ops.q, ops.k, do, lse)
+  like = lambda x: vary_like(jnp.zeros(x.shape, f32), *refs)
   dq0 = [like(c["q"]) for c in chunk]
   dkv0 = (like(ops.k), like(ops.v))
+  db0 = None if ops.bias is None else like(ops.bias)
 
-  def run(band, c, k, v, ki, seed):
+  def run(band, c, sub):
     hs = hop_spec(spec, band)
-    sub = Operands(q=c["q"], k=k, v=v, q_segment_ids=c["ids"], kv_segment_ids=ki,
-                   dropout_seed=seed)
+    sub = Operands(**sub)
     _, bwd, config = kernel(sub, hs)
     g = bwd(sub, hs, config, c["out"], c["lse"], c["do"], c["dlse"])
-    return g.q.astype(f32), g.k.astype(f32), g.v.astype(f32)
+    return (g.q.astype(f32), g.k.astype(f32), g.v.astype(f32),
+            None if g.bias is None else g.bias.astype(f32))
 
-  def empty(c, k, v, ki, seed):
-    del ki, seed
-    z = lambda x: vary_like(jnp.zeros(x.shape, f32), c["q"], c["out"], k, v)
-    return z(c["q"]), z(k), z(v)
+  def empty(c, sub):
+    refs = jax.tree.leaves((c, sub))
+    z = lambda x: None if x is None else vary_like(jnp.zeros(x.shape, f32), *refs)
+    return z(sub["q"]), z(sub["k"]), z(sub["v"]), z(sub["bias"])
 
-  def hop(hops, t, kv, dkv, dq):
+  def hop(hops, t, kv, dkv, dq, dbias):
     k, v, kv_ids = kv
     dk, dv = dkv
     dq = list(dq)
     for a, b in ring.pairs:
-      g = ring.switch(hops, t, a, b, run, empty, chunk[a], ring.kv_rows(k, b),
-                      ring.kv_rows(v, b),
-                      None if kv_ids is None else ring.kv_rows(kv_ids, b),
-                      ring.seed(ops, hops[0] + t, a, b))
+      at = hops[0] + t
+      sub = dict(q=chunk[a]["q"], k=ring.kv_rows(k, b), v=ring.kv_rows(v, b),
+                 bias=ring.dense_block(ops.bias, at, a, b),
+                 mask=ring.dense_block(ops.mask, at, a, b),
+                 q_segment_ids=chunk[a]["ids"],
+                 kv_segment_ids=None if kv_ids is None else ring.kv_rows(kv_ids, b),
+                 dropout_seed=ring.seed(ops, at, a, b))
+      g = ring.switch(hops, t, a, b, run, empty, chunk[a], sub)
       dq[a] = dq[a] + g[0]
       sl = slice(b * ring.ck, (b + 1) * ring.ck)
       dk = dk.at[:, sl].add(g[1])
       dv = dv.at[:, sl].add(g[2])
+      if dbias is not None:
+        dbias = _add_block(dbias, g[3], ring, at, a, b)
     # The accumulators follow their K/V block; after the last hop they are home.
-    return (ring.rotate(dk), ring.rotate(dv)), dq
+    return (ring.rotate(dk), ring.rotate(dv)), dq, dbias
 
-  kv, dkv, dq = (ops.k, ops.v, ops.kv_segment_ids), dkv0, dq0
+  kv, dkv, dq, dbias = (ops.k, ops.v, ops.kv_segment_ids), dkv0, dq0, db0
   for hops, rotates in ring.groups():
     if not hops:
       continue
     if rotates:
       def body(carry, t, hops=hops):
-        kv, dkv, dq = carry
+        kv, dkv, dq, dbias = carry
         nxt = tuple(ring.rotate(x) for x in kv)
-        dkv, dq = hop(hops, t, kv, dkv, dq)
-        return (nxt, dkv, dq), None
-      (kv, dkv, dq), _ = jax.lax.scan(body, (kv, dkv, dq), jnp.arange(len(hops)))
+        dkv, dq, dbias = hop(hops, t, kv, dkv, dq, dbias)
+        return (nxt, dkv, dq, dbias), None
+      (kv, dkv, dq, dbias), _ = jax.lax.scan(body, (kv, dkv, dq, dbias),
+                                             jnp.arange(len(hops)))
     else:
-      dkv, dq = hop(hops, 0, kv, dkv, dq)
+      dkv, dq, dbias = hop(hops, 0, kv, dkv, dq, dbias)
 
   dsinks = None
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, epilogue.delta(out, do, dlse))
     dsinks = _replicated_sum(dsinks, ops.sinks, plan)
+  if dbias is not None:
+    if ops.bias.shape[2] == 1:  # one bias row for all rows of the ring
+      dbias = _replicated_sum(dbias, ops.bias, plan)
+    dbias = dbias.astype(ops.bias.dtype)
   return Operands(q=jnp.concatenate(dq, axis=1).astype(ops.q.dtype),
                   k=dkv[0].astype(ops.k.dtype), v=dkv[1].astype(ops.v.dtype),
-                  sinks=dsinks)
+                  bias=dbias, sinks=dsinks)
+
+
+def _add_block(dbias, g, ring: _Ring, hop, a, b):
+  """``dbias`` plus pair (a, b)'s block ``g`` at its rows and columns."""
+  starts = [0, 0, a * ring.cq if dbias.shape[2] > 1 else 0,
+            ring.key_start(hop, b) if dbias.shape[3] > 1 else 0]
+  old = jax.lax.dynamic_slice(dbias, starts, g.shape)
+  return jax.lax.dynamic_update_slice(dbias, old + g, starts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -363,7 +408,7 @@ def _ring_bwd(static, res, cotangents):
   kernel, plan, spec = static
   ops, out, lse = res
   grads = backward(kernel, plan, ops, spec, out, lse, *cotangents)
-  keep = {"q", "k", "v", "sinks"}
+  keep = {"q", "k", "v", "bias", "sinks"}
   return (Operands(*(g if name in keep else None
                      for name, g in zip(Operands._fields, grads))),)
 
@@ -374,10 +419,5 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def attention(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
   """``(out, lse)`` of this device's rows, differentiable (one ``custom_vjp``
   over the whole ring). ``kernel`` must be hashable."""
-  if ops.bias is not None or ops.mask is not None:
-    raise NotImplementedError(
-        "ring attention does not take bias or mask yet (got bias shape "
-        f"{spec.bias_shape}, mask shape {spec.mask_shape}); use segment_ids, "
-        "causal or sliding_window")
   check_local_shapes(plan, spec)
   return _ring((kernel, plan, spec), ops)
