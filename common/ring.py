@@ -297,12 +297,12 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
   return out, jnp.concatenate(lses, axis=2)
 
 
-def _replicated_sum(g, primal, plan: RingPlan):
+def _replicated_sum(g, primal):
   """Cotangent of an operand every device of the ring holds whole (sinks): the
-  sum of the devices' parts, over the axes the operand does not vary along."""
+  sum of the devices' parts, over the axes the operand does not vary along.
+  Where ``shard_map`` does not track varying axes (``check_vma=False``), its own
+  transpose sums the cotangents of replicated inputs, so none is taken here."""
   axes = varying_axes(g) - varying_axes(primal)
-  if not varying_axes(g):  # varying axes not tracked: sum over the row axes
-    axes = {plan.axis_name, *plan.batch_axes}
   return jax.lax.psum(g, tuple(sorted(axes))) if axes else g
 
 
@@ -375,10 +375,10 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
   dsinks = None
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, epilogue.delta(out, do, dlse))
-    dsinks = _replicated_sum(dsinks, ops.sinks, plan)
+    dsinks = _replicated_sum(dsinks, ops.sinks)
   if dbias is not None:
     if ops.bias.shape[2] == 1:  # one bias row for all rows of the ring
-      dbias = _replicated_sum(dbias, ops.bias, plan)
+      dbias = _replicated_sum(dbias, ops.bias)
     dbias = dbias.astype(ops.bias.dtype)
   return Operands(q=jnp.concatenate(dq, axis=1).astype(ops.q.dtype),
                   k=dkv[0].astype(ops.k.dtype), v=dkv[1].astype(ops.v.dtype),
