@@ -7,6 +7,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from . import api, registry
 from .common import ring as ring_lib
@@ -84,6 +87,21 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
   Returns:
     The local ``out [B, Sq/n, Hq, Dv]``, or ``(out, lse [B, Hq, Sq/n])``.
   """
+  return _ring_attention(
+      q, k, v, axis_name=axis_name, layout=layout, causal=causal,
+      sliding_window=sliding_window, segment_ids=segment_ids,
+      softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+      dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_lse=return_lse,
+      bias=bias, mask=mask, backend=backend, platform=platform, config=config,
+      interpret=interpret)
+
+
+def _ring_attention(q, k, v, *, axis_name, layout="contiguous", causal=False,
+                    sliding_window=None, segment_ids=None, softmax_scale=None,
+                    logits_soft_cap=None, sinks=None, dropout_rate=0.0,
+                    dropout_seed=None, return_lse=False, bias=None, mask=None,
+                    backend=None, platform=None, config=None, interpret=False,
+                    batch_axes=(), head_axes=()):
   ring_lib.check_layout(layout)
   try:
     n = jax.lax.axis_size(axis_name)
@@ -106,7 +124,8 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
   band = Band(seq_q=n * spec.seq_q, seq_k=n * spec.seq_k, left=spec.band.left,
               right=spec.band.right)
   plan = ring_lib.RingPlan(axis_name=axis_name, num_shards=n, layout=layout,
-                           band=band)
+                           band=band, batch_axes=tuple(batch_axes),
+                           head_axes=tuple(head_axes))
   backend = api.detect_backend(backend, q)
   kernel = HopKernel(backend, _platform(platform, backend, spec, interpret), config,
                      bool(interpret))
@@ -115,3 +134,87 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
 
 
 __all__ = ["ring_attention", "zigzag_order", "zigzag_restore", "LAYOUTS"]
+
+
+def _entry_axes(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _sharding(x):
+  """``x``'s NamedSharding: a concrete array's own, or (under ``jit``) its type's,
+  which names mesh axes when the mesh's axes are Explicit; else None."""
+  sharding = None
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)
+  else:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  if sharding is None or getattr(sharding, "spec", None) is None or not hasattr(
+      sharding, "mesh"):
+    return None
+  return sharding
+
+
+def sequence_axis(q, k):
+  """``(mesh, axis, batch_axes, head_axes)`` when q and k are split along their
+  sequence axis by the same single mesh axis that is known at trace time, else
+  None (then ``flash_attention`` runs unsplit rows, gathering)."""
+  sq, sk = _sharding(q), _sharding(k)
+  if sq is None or sk is None or getattr(q, "ndim", 0) != 4:
+    return None
+  pq = tuple(sq.spec) + (None,) * (4 - len(tuple(sq.spec)))
+  pk = tuple(sk.spec) + (None,) * (4 - len(tuple(sk.spec)))
+  seq = _entry_axes(pq[1])
+  if len(seq) != 1 or _entry_axes(pk[1]) != seq:
+    return None
+  mesh = sq.mesh
+  if mesh.shape[seq[0]] == 1:
+    return None
+  size = lambda axes: int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  batch = tuple(a for a in _entry_axes(pq[0]) if a not in seq)
+  heads = tuple(a for a in _entry_axes(pq[2]) if a not in seq)
+  if q.shape[0] % size(batch):
+    batch = ()
+  if k.shape[2] % size(heads):
+    heads = ()
+  return mesh, seq[0], batch, heads
+
+
+def sharded_call(route, q, k, v, *, bias=None, mask=None, segment_ids=None,
+                 sinks=None, dropout_seed=None, return_lse=False, **kwargs):
+  """``flash_attention`` on sequence-split q/k/v (``route`` from
+  :func:`sequence_axis`): a ring over the sequence axis inside ``shard_map``,
+  batch and heads split along their own mesh axes."""
+  mesh, axis, batch, heads = route
+  b, h = batch or None, heads or None
+  row = P(b, axis, h, None)
+  if segment_ids is not None:
+    segment_ids = tuple(segment_ids)
+
+  def dense(x):
+    if x is None:
+      return None
+    x = jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+    return x, P(b if x.shape[0] > 1 else None, h if x.shape[1] > 1 else None,
+                axis if x.shape[2] > 1 else None, None)
+
+  args = dict(q=(q, row), k=(k, row), v=(v, row), bias=dense(bias),
+              mask=dense(mask),
+              segment_ids=None if segment_ids is None else (
+                  segment_ids, (P(b, axis), P(b, axis))),
+              sinks=None if sinks is None else (sinks, P(h)),
+              dropout_seed=None if dropout_seed is None else (
+                  jnp.asarray(dropout_seed), P()))
+  args = {n: a for n, a in args.items() if a is not None}
+
+  def local(ops):
+    plan_axes = dict(batch_axes=batch, head_axes=heads)
+    return _ring_attention(**ops, axis_name=axis, return_lse=True,
+                           **plan_axes, **kwargs)
+
+  out, lse = jax.shard_map(
+      local, mesh=mesh, in_specs=({n: s for n, (_, s) in args.items()},),
+      out_specs=(row, P(b, h, axis)), check_vma=False)(
+          {n: x for n, (x, _) in args.items()})
+  return (out, lse) if return_lse else out

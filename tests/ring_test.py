@@ -123,6 +123,28 @@ FOUR = PRELUDE + textwrap.dedent("""
     check("contiguous", platform="pallas-triton", check_vma=False, causal=True,
           sinks="sinks")
 
+    # Automatic: under jit, flash_attention on inputs split along the sequence
+    # (an Explicit mesh axis) runs the ring, with batch split on another axis.
+    from jax.sharding import AxisType, NamedSharding
+    mesh2 = jax.make_mesh((2, 2), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+    q, k, v, do = rand(B, S, H, 8), rand(B, S, 2, 8), rand(B, S, 2, 8), rand(B, S, H, 8)
+    kw = dict(causal=True, dropout_rate=0.1, dropout_seed=5)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh2, P("data", "seq")))
+    loss = lambda f, do: lambda q, k, v, s: jnp.sum(f(q, k, v, sinks=s, **kw) * do)
+    step = jax.jit(jax.value_and_grad(loss(flashjax.flash_attention, put(do)),
+                                      argnums=(0, 1, 2, 3)))
+    args = (put(q), put(k), put(v), arrays["sinks"])
+    hlo = step.lower(*args).compile().as_text()
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+    val, grads = step(*args)
+    rval, rgrads = jax.value_and_grad(loss(reference.attention, do),
+                                      argnums=(0, 1, 2, 3))(q, k, v, arrays["sinks"])
+    np.testing.assert_allclose(val, rval, rtol=1e-4)
+    for g, r in zip(grads, rgrads):
+        np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+    assert grads[0].sharding.spec[:2] == ("data", "seq"), grads[0].sharding
+    print("ok automatic", flush=True)
+
     # Per-device memory of fwd+bwd grows linearly in the local length (fixed
     # block sizes, so no kernel tile grows with it).
     from flashjax.xla_cpu import XlaConfig
