@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import api, registry
 from .common import ring as ring_lib
@@ -208,13 +208,40 @@ def sharded_call(route, q, k, v, *, bias=None, mask=None, segment_ids=None,
                   jnp.asarray(dropout_seed), P()))
   args = {n: a for n, a in args.items() if a is not None}
 
-  def local(ops):
-    plan_axes = dict(batch_axes=batch, head_axes=heads)
-    return _ring_attention(**ops, axis_name=axis, return_lse=True,
-                           **plan_axes, **kwargs)
+  n = mesh.shape[axis]
+  # Causal rows see more keys the later they are: the ring runs in the zigzag
+  # layout, reached by two ppermutes of half a shard each way.
+  zigzag = (kwargs.get("causal") and q.shape[1] == k.shape[1]
+            and q.shape[1] % (2 * n) == 0)
 
+  def local(ops):
+    if zigzag:
+      ops = dict(ops)
+      for name in ("q", "k", "v"):
+        ops[name] = ring_lib.to_zigzag(ops[name], axis)
+      if "segment_ids" in ops:
+        ops["segment_ids"] = tuple(ring_lib.to_zigzag(x, axis)
+                                   for x in ops["segment_ids"])
+      for name in ("bias", "mask"):
+        if name in ops:
+          x = ops[name]
+          x = ring_lib.to_zigzag(x, axis, 2) if x.shape[2] > 1 else x
+          ops[name] = zigzag_order(x, n, 3) if x.shape[3] > 1 else x
+    out, lse = _ring_attention(**ops, axis_name=axis, return_lse=True,
+                               layout="zigzag" if zigzag else "contiguous",
+                               batch_axes=batch, head_axes=heads, **kwargs)
+    if zigzag:
+      out, lse = ring_lib.from_zigzag(out, axis), ring_lib.from_zigzag(lse, axis, 2)
+    return out, lse
+
+  specs = {n: s for n, (_, s) in args.items()}
+  values = {n: x for n, (x, _) in args.items()}
+  if jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+    # Explicit mesh axes: shard_map takes operands already laid out as it asks.
+    values = jax.tree.map(
+        lambda x, p: jax.sharding.reshard(x, NamedSharding(mesh, p)), values, specs,
+        is_leaf=lambda x: isinstance(x, P))
   out, lse = jax.shard_map(
-      local, mesh=mesh, in_specs=({n: s for n, (_, s) in args.items()},),
-      out_specs=(row, P(b, h, axis)), check_vma=False)(
-          {n: x for n, (x, _) in args.items()})
+      local, mesh=mesh, in_specs=(specs,), out_specs=(row, P(b, h, axis)),
+      check_vma=False)(values)
   return (out, lse) if return_lse else out

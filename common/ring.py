@@ -76,6 +76,35 @@ def zigzag_restore(x, num_shards: int, axis: int = 1):
   return _permute_chunks(x, num_shards, axis, np.argsort(_zigzag_chunks(num_shards)))
 
 
+def to_zigzag(x, axis_name, axis: int = 1):
+  """Inside ``shard_map``: this device's contiguous rows (chunks ``2r``, ``2r + 1``
+  of ``2n``) exchanged for its zigzag rows (chunks ``r``, ``2n - 1 - r``), two
+  ``ppermute`` of half a shard each. Device ``d`` gets chunk ``d`` and chunk
+  ``2n - 1 - d``, one even and one odd: the even chunks travel in one permute, the
+  odd ones in the other."""
+  n = jax.lax.axis_size(axis_name)
+  dest = lambda j: j if j < n else 2 * n - 1 - j
+  lo, hi = jnp.split(x, 2, axis=axis)
+  a = jax.lax.ppermute(lo, axis_name, [(r, dest(2 * r)) for r in range(n)])
+  b = jax.lax.ppermute(hi, axis_name, [(r, dest(2 * r + 1)) for r in range(n)])
+  even = jax.lax.axis_index(axis_name) % 2 == 0
+  return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=axis)
+
+
+def from_zigzag(x, axis_name, axis: int = 1):
+  """The inverse of :func:`to_zigzag`."""
+  n = jax.lax.axis_size(axis_name)
+  first, second = jnp.split(x, 2, axis=axis)
+  even = jax.lax.axis_index(axis_name) % 2 == 0
+  even_chunk = lambda d: d if d % 2 == 0 else 2 * n - 1 - d
+  odd_chunk = lambda d: 2 * n - 1 - d if d % 2 == 0 else d
+  lo = jax.lax.ppermute(jnp.where(even, first, second), axis_name,
+                        [(d, even_chunk(d) // 2) for d in range(n)])
+  hi = jax.lax.ppermute(jnp.where(even, second, first), axis_name,
+                        [(d, odd_chunk(d) // 2) for d in range(n)])
+  return jnp.concatenate([lo, hi], axis=axis)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingPlan:
   """The static half of a ring call.
