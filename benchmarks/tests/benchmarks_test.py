@@ -242,3 +242,11 @@ def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
   got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
   assert set(got) == {(8, 4), (4, 8)}
   assert all(0 < mn <= med for mn, med in got.values())
+
+
+def test_ring_mode_smoke(capsys):
+  # One CPU device here: the three modes run, and the table names them.
+  assert cli.main(["--ring", "64", "--iters", "1", "--repeats", "1"]) == 0
+  text = capsys.readouterr().out
+  for mode in ("ring (contiguous)", "ring (zigzag)", "all-gather", "one device"):
+    assert f"| {mode} | 64 |" in text, text
