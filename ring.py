@@ -145,11 +145,13 @@ def _entry_axes(entry) -> tuple:
 def _sharding(x):
   """``x``'s NamedSharding: a concrete array's own, or (under ``jit``) its type's,
   which names mesh axes when the mesh's axes are Explicit; else None."""
-  sharding = None
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     sharding = getattr(x, "sharding", None)
   else:
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    try:
+      sharding = getattr(jax.typeof(x), "sharding", None)
+    except TypeError:  # not an array: canonicalize names the argument
+      return None
   if sharding is None or getattr(sharding, "spec", None) is None or not hasattr(
       sharding, "mesh"):
     return None
@@ -160,8 +162,10 @@ def sequence_axis(q, k):
   """``(mesh, axis, batch_axes, head_axes)`` when q and k are split along their
   sequence axis by the same single mesh axis that is known at trace time, else
   None (then ``flash_attention`` runs unsplit rows, gathering)."""
+  if getattr(q, "ndim", None) != 4 or getattr(k, "ndim", None) != 4:
+    return None
   sq, sk = _sharding(q), _sharding(k)
-  if sq is None or sk is None or getattr(q, "ndim", 0) != 4:
+  if sq is None or sk is None:
     return None
   pq = tuple(sq.spec) + (None,) * (4 - len(tuple(sq.spec)))
   pk = tuple(sk.spec) + (None,) * (4 - len(tuple(sk.spec)))
