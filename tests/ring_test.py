@@ -45,7 +45,8 @@ PRELUDE = textwrap.dedent("""
     def check(layout, hkv=2, d=16, platform="xla", check_vma=True, **kw):
         t0 = time.time()
         named = {{name: kw.pop(name) for name in list(kw) if kw[name] in arrays}}
-        q, k, v, do = rand(B, S, H, d), rand(B, S, hkv, d), rand(B, S, hkv, d), rand(B, S, H, d)
+        q, k, v = rand(B, S, H, d), rand(B, S, hkv, d), rand(B, S, hkv, d)
+        do = rand(B, S, H, d)
         dlse = rand(B, H, S)
         zz = layout == "zigzag"
         order = lambda x, a=1: flashjax.zigzag_order(x, n, a) if zz else x
@@ -78,19 +79,22 @@ PRELUDE = textwrap.dedent("""
         ops = {{n: arrays[x] for n, x in named.items()}}
         ring = jax.shard_map(
             local, mesh=mesh, check_vma=check_vma,
-            in_specs=(P(None, "seq"),) * 3 + ({{n: pspec(n, x) for n, x in ops.items()}},),
+            in_specs=(P(None, "seq"),) * 3 + (
+                {{n: pspec(n, x) for n, x in ops.items()}},),
             out_specs=(P(None, "seq"), P(None, None, "seq")))
+
+        # lse's cotangent is random too (its finite entries), so dlse is checked.
+        total = lambda out, lse: (jnp.sum(out * do) + jnp.sum(
+            jnp.where(jnp.isinf(lse), 0, lse) * dlse), (out, lse))
 
         def loss(q, k, v, ops):
             lops = {{n: laid_out(n, x) for n, x in ops.items()}}
             out, lse = ring(order(q), order(k), order(v), lops)
-            out, lse = restore(out), restore(lse, 2)
-            return jnp.sum(out * do) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * dlse), (out, lse)
+            return total(restore(out), restore(lse, 2))
 
         def ref_loss(q, k, v, ops):
             ops = {{kwarg.get(n, n): x for n, x in ops.items()}}
-            out, lse = reference.attention(q, k, v, return_lse=True, **kw, **ops)
-            return jnp.sum(out * do) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * dlse), (out, lse)
+            return total(*reference.attention(q, k, v, return_lse=True, **kw, **ops))
 
         diff = {{n: x for n, x in ops.items() if n in ("bias", "row_bias", "sinks")}}
         fixed = {{n: x for n, x in ops.items() if n not in diff}}
@@ -156,7 +160,8 @@ FOUR = PRELUDE + textwrap.dedent("""
         ring = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
                              out_specs=P(None, "seq"))
         x = jax.ShapeDtypeStruct((1, s, 2, 32), jnp.float32)
-        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)), argnums=(0, 1, 2)))
+        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)),
+                                argnums=(0, 1, 2)))
         m = step.lower(x, x, x).compile().memory_analysis()
         return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
 
@@ -199,7 +204,8 @@ def test_sub_block_is_the_slice_of_the_band():
     q0, k0 = rng.integers(0, sq), rng.integers(0, sk)
     bq, bk = rng.integers(1, sq - q0 + 1), rng.integers(1, sk - k0 + 1)
     dense = lambda b: np.broadcast_to(band_allowed(
-        np.arange(b.seq_q)[:, None], np.arange(b.seq_k)[None, :], b), (b.seq_q, b.seq_k))
+        np.arange(b.seq_q)[:, None], np.arange(b.seq_k)[None, :], b),
+        (b.seq_q, b.seq_k))
     want = dense(band)[q0:q0 + bq, k0:k0 + bk]
     sub = band.sub_block(int(q0), int(bq), int(k0), int(bk))
     if sub is None:
