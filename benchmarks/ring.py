@@ -2,8 +2,9 @@
 every device present, three ways: the ring (``ring_attention`` in ``shard_map``,
 zigzag layout when causal), the all-gather that XLA's partitioner inserts for a
 sequence-sharded ``flash_attention`` under ``jit`` (an Auto mesh axis), and the
-whole problem on one device. Forward and forward+backward times and the compiled
-per-device memory of forward+backward."""
+whole problem on one device. Forward and forward+backward times, the compiled
+per-device memory of forward+backward, and the largest difference of each
+forward output from the one-device output (a wrong ring shows here)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class RingRow:
   fwd_ms: float | None
   fwd_bwd_ms: float | None
   mib: float | None
+  max_diff: float | None = None  # |out - one device's out|, forward
   error: str = ""
 
 
@@ -62,7 +64,9 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
   rows = []
   for causal in causal_flags:
     layout = "zigzag" if causal and seq % (2 * n) == 0 else "contiguous"
-    order = (lambda x: flashjax.zigzag_order(x, n)) if layout == "zigzag" else (
+    zigzag = layout == "zigzag"
+    order = (lambda x: flashjax.zigzag_order(x, n)) if zigzag else (lambda x: x)
+    restore = (lambda x: flashjax.zigzag_restore(x, n)) if zigzag else (
         lambda x: x)
     modes = {
         f"ring ({layout})": (ring_fn(layout), [jax.device_put(order(x), sharded)
@@ -77,6 +81,13 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
       calls[name, "fwd_bwd"] = (fwd_bwd, args)
     times = timer.time_interleaved_ms(calls, iters=iters, repeats=repeats,
                                       settle_ms=0.0)
+    outs = {}
+    for name, (_, args) in modes.items():
+      if not isinstance(times[name, "fwd"], Exception):
+        out = calls[name, "fwd"][0](*args[:3])
+        outs[name] = np.asarray(jax.device_get(
+            restore(out) if name.startswith("ring") else out), np.float32)
+    base = outs.get("one device")
     for name, (_, args) in modes.items():
       got = [times[name, d] for d in ("fwd", "fwd_bwd")]
       errors = [repr(t)[:120] for t in got if isinstance(t, Exception)]
@@ -85,16 +96,20 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
           mode=name, seq=seq, devices=1 if name == "one device" else n, causal=causal,
           fwd_ms=ms[0], fwd_bwd_ms=ms[1],
           mib=timing.compiled_mib(calls[name, "fwd_bwd"][0], args),
+          max_diff=None if base is None or name not in outs else float(
+              np.max(np.abs(outs[name] - base))),
           error="; ".join(errors)))
   return rows
 
 
 def table(rows) -> str:
-  head = "| mode | S | devices | causal | fwd ms | fwd+bwd ms | MiB / device |"
-  lines = [head, "|" + "---|" * 7]
+  head = ("| mode | S | devices | causal | fwd ms | fwd+bwd ms | MiB / device "
+          "| max diff |")
+  lines = [head, "|" + "---|" * 8]
   fmt = lambda x, f: "-" if x is None else format(x, f)
   for r in rows:
     lines.append(f"| {r.mode} | {r.seq} | {r.devices} | {r.causal} | "
                  f"{fmt(r.fwd_ms, '.2f')} | {fmt(r.fwd_bwd_ms, '.2f')} | "
-                 f"{fmt(r.mib, '.1f')} |" + (f" {r.error}" if r.error else ""))
+                 f"{fmt(r.mib, '.1f')} | {fmt(r.max_diff, '.1e')} |" +
+                 (f" {r.error}" if r.error else ""))
   return "\n".join(lines)
