@@ -57,7 +57,8 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
                                      causal=causal, platform=platform)
     return lambda q, k, v, causal: jax.shard_map(
         lambda q, k, v: local(q, k, v, causal), mesh=mesh,
-        in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))(q, k, v)
+        in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"),
+        check_vma=False)(q, k, v)  # Pallas kernels' outputs carry no varying axes
 
   whole = lambda q, k, v, causal: flashjax.flash_attention(q, k, v, causal=causal,
                                                            platform=platform)
