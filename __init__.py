@@ -13,7 +13,8 @@ from .api import (flash_attention, flash_mha, flash_mha_varlen,
 from .common.spec import FEATURES, AttentionSpec
 from .compat.jax_nn import dot_product_attention
 from .inference import flash_mha_with_kvcache
+from .ring import ring_attention, zigzag_order, zigzag_restore
 
 __all__ = ["flash_attention", "dot_product_attention", "flash_mha", "flash_mha_varlen",
-           "flash_mha_with_kvcache", "get_cached_flash_attention", "AttentionSpec",
-           "FEATURES"]
+           "flash_mha_with_kvcache", "get_cached_flash_attention", "ring_attention",
+           "zigzag_order", "zigzag_restore", "AttentionSpec", "FEATURES"]

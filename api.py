@@ -117,6 +117,15 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
   """
   if key_padding_mask is not None:
     segment_ids = _key_padding_to_segments(key_padding_mask, q, k, segment_ids)
+  from . import ring  # q, k, v split along the sequence: a ring, not a gather
+  route = ring.sequence_axis(q, k)
+  if route is not None:
+    return ring.sharded_call(
+        route, q, k, v, bias=bias, mask=mask, causal=causal,
+        sliding_window=sliding_window, segment_ids=segment_ids,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_lse=return_lse,
+        backend=backend, platform=platform, config=config, interpret=interpret)
   if _env_flag("FORCE_MHA") and getattr(k, "ndim", 0) == 4 and getattr(
       q, "ndim", 0) == 4 and q.shape[2] != k.shape[2] and q.shape[2] % k.shape[2] == 0:
     rep = q.shape[2] // k.shape[2]

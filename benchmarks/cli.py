@@ -39,6 +39,10 @@ def _parser():
   p.add_argument("--memory-sweep", default="",
                  help="comma-separated S: compiled fwd+bwd memory of xla and "
                  "jax-xla at B=1, H=8, D=64 (compile only)")
+  p.add_argument("--ring", type=int, metavar="S",
+                 help="ring mode: sequence length S split over every device "
+                 "present; ring attention vs all-gather vs one device "
+                 "(benchmarks/ring.py), then exit")
   p.add_argument("--quick", action="store_true",
                  help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
   p.add_argument("--out", help="output folder (default ./flashjax-bench/<time>, "
@@ -69,6 +73,18 @@ def memory_sweep(seqs, dtype):
   return out
 
 
+def ring_mode(args, on_cpu: bool) -> int:
+  from . import ring
+  dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+  env = report.environment()
+  print(f"device: {env['device']} x {jax.device_count()}, jax {env['jax']}, "
+        f"{env['date']}, dtype {dtype.name}", flush=True)
+  rows = ring.run(args.ring, dtype=dtype, iters=args.iters or (2 if on_cpu else 20),
+                  repeats=args.repeats or (3 if on_cpu else 5))
+  print(ring.table(rows))
+  return 1 if any(r.error for r in rows) else 0
+
+
 def shape_list(set_names):
   """The shapes of the named sets, each once: sets share shapes (standard,
   head_dim and gqa all hold B2-S8k-H16-D128), and a shape run twice paired each
@@ -91,6 +107,8 @@ def main(argv=None):
     os.environ["FLASHJAX_AUTOTUNE"] = "1"
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
+  if args.ring:
+    return ring_mode(args, on_cpu)
   if args.quick:
     args.shapes = args.shapes or "quick"
     args.iters = args.iters or 1

@@ -26,3 +26,28 @@ def mgpu_load(ref, layout):
   if idx is not None and idx.default is inspect.Parameter.empty:
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
+
+
+def varying_axes(x) -> frozenset:
+  """Manual mesh axes along which ``x`` varies inside ``shard_map`` (empty outside
+  it, or where the checking of varying axes is off): ``.manual_axis_type.varying``
+  of the type in 0.10, ``.vma`` in other versions."""
+  import jax
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary_like(x, *refs):
+  """``x`` marked as varying along every axis that any of ``refs`` varies along
+  (scan carries and switch branches must agree on it)."""
+  import jax
+  axes = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(x)
+  if not axes:
+    return x
+  axes = tuple(sorted(axes))
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)

@@ -80,10 +80,32 @@ def shard_seed(seed, batch_offset, head_offset):
   return jnp.stack([_u32(seed).reshape(()), _u32(batch_offset), _u32(head_offset)])
 
 
+def position_seed(seed, batch_offset, head_offset, q_offset, k_offset):
+  """``uint32 [5]``: the call's seed and the global index of a block's first batch
+  element, query head, query row and key, for a call on one block of a larger
+  problem (a hop of ring attention), so its keep-mask is the larger call's."""
+  return jnp.stack([_u32(seed).reshape(())] + [
+      _u32(x).reshape(()) for x in (batch_offset, head_offset, q_offset, k_offset)])
+
+
+def unpack_seed(seed):
+  """``(seed, batch, head, row, key)`` offsets of a scalar seed (offsets 0), a
+  ``shard_seed`` or a ``position_seed``."""
+  seed = _u32(seed)
+  if seed.ndim == 0:
+    return seed, 0, 0, 0, 0
+  parts = [seed[n] for n in range(seed.shape[0])]
+  return tuple(parts + [0] * (5 - len(parts)))
+
+
 def kernel_seed(dropout_seed):
   """``int32 [4]`` a kernel reads: seed, batch offset, head offset, 0. Takes the
   call's scalar seed (offsets 0) or a ``shard_seed``. Four entries because GPU
   Pallas blocks must be powers of two."""
+  if jnp.ndim(dropout_seed) == 1 and dropout_seed.shape[0] > 3:
+    raise NotImplementedError(
+        "dropout with sequence offsets (a position_seed, as ring attention passes "
+        "per hop) is not implemented in this kernel; use platform='xla'")
   x = jax.lax.bitcast_convert_type(_u32(dropout_seed), jnp.int32).reshape(-1)
   return jnp.pad(x, (0, 4 - x.shape[0]))
 

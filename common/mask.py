@@ -69,6 +69,28 @@ class Band:
       hi = min(hi, k_hi - self.offset + self.left)
     return lo, max(lo, hi)
 
+  def sub_block(self, q_start: int, seq_q: int, k_start: int,
+                seq_k: int) -> "Band | None":
+    """The band of the block of rows ``[q_start, q_start + seq_q)`` and keys
+    ``[k_start, k_start + seq_k)``, in the block's own coordinates, or None when
+    no row of the block reaches any of its keys.
+
+    A global diagonal offset ``d`` is the block's ``d_local + shift`` with
+    ``shift = (seq_k - seq_q) + k_start - q_start - self.offset``, so the bounds
+    move by ``shift``; bounds the block cannot reach become None (a block the
+    band covers whole is full).
+    """
+    shift = (seq_k - seq_q) + k_start - q_start - self.offset
+    left = None if self.left is None else self.left + shift
+    right = None if self.right is None else self.right - shift
+    lo, hi = 1 - seq_k, seq_q - 1  # range of j - (i + seq_k - seq_q) in the block
+    if max(lo, -left if left is not None else lo) > min(
+        hi, right if right is not None else hi):
+      return None
+    return Band(seq_q=seq_q, seq_k=seq_k,
+                left=None if left is None or left >= seq_k - 1 else left,
+                right=None if right is None or right >= seq_q - 1 else right)
+
   def as_array(self):
     """Dense ``[Sq, Sk]`` bool form of the band."""
     i = jnp.arange(self.seq_q, dtype=jnp.int32)[:, None]

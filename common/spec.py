@@ -115,6 +115,12 @@ def _broadcast_rank4(x, name, full, *, kind):
   return jnp.reshape(x, shape4), shape4
 
 
+def broadcast_rank4(x, name: str, full, *, kind: str):
+  """``x`` validated as broadcastable to ``full`` (a bias: ``kind="float"``, a
+  mask: ``kind="bool"``) and reshaped to rank 4; returns ``(x, shape4)``."""
+  return _broadcast_rank4(x, name, full, kind=kind)
+
+
 def parse_window(sliding_window, causal: bool) -> tuple[int | None, int | None]:
   """``(left, right)`` with None for unbounded; causal clamps right to 0."""
   if not isinstance(causal, (bool, np.bool_)):

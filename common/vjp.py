@@ -66,4 +66,28 @@ def attention(forward, backward, ops: Operands, spec: AttentionSpec, config, *,
   (common/partition.py): kernel platforms need it, since XLA cannot split their
   custom calls; plain-XLA platforms are split by XLA itself.
   """
+  if _capturing:
+    raise _Captured((forward, backward, config))
   return _attention((forward, backward, spec, config, per_shard), ops)
+
+
+_capturing = []
+
+
+class _Captured(Exception):
+  pass
+
+
+def kernel_parts(call):
+  """``(forward, backward, config)`` that ``call()`` (a platform's
+  ``attention_from_operands(...)``) would hand to :func:`attention`, after its
+  checks and config choice, without running anything: callers that compose the
+  forward and backward themselves (common/ring.py) reuse each platform's entry."""
+  _capturing.append(True)
+  try:
+    call()
+  except _Captured as e:
+    return e.args[0]
+  finally:
+    _capturing.pop()
+  raise RuntimeError("the call did not reach vjp.attention")

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import epilogue
+from ..common.compat import vary_like
 from ..common.blocking import pad_axis
 from ..common.spec import AttentionSpec, Operands
 from . import blocks
@@ -109,14 +110,17 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
                            preferred_element_type=acc_dt) * scale
       return dk, dv, dq_t, dbias
 
-    init = (jnp.zeros((b, hkv, lay.block_kv, spec.head_dim), acc_dt),
-            jnp.zeros((b, hkv, lay.block_kv, spec.head_dim_v), acc_dt), dq_t, dbias)
+    init = (vary(jnp.zeros((b, hkv, lay.block_kv, spec.head_dim), acc_dt)),
+            vary(jnp.zeros((b, hkv, lay.block_kv, spec.head_dim_v), acc_dt)), dq_t,
+            dbias)
     dk, dv, dq_t, dbias = blocks.loop_blocks(step, prep, lay, seg, j, init,
                                              over_kv=False)
     return (dq_t, dbias), (dk, dv)
 
-  dq0 = jnp.zeros((b, hkv, spec.head_dim, g, lay.seq_q_padded), acc_dt)
-  db0 = None if prep.bias is None else jnp.zeros(prep.bias.shape, acc_dt)
+  # Inside shard_map, loop carries vary along the mesh axes the operands do.
+  vary = lambda x: vary_like(x, *jax.tree.leaves(prep), do_t, lse_safe, delta)
+  dq0 = vary(jnp.zeros((b, hkv, spec.head_dim, g, lay.seq_q_padded), acc_dt))
+  db0 = None if prep.bias is None else vary(jnp.zeros(prep.bias.shape, acc_dt))
   (dq_t, dbias), (dk, dv) = jax.lax.scan(
       lambda c, j: kv_block(j, c), (dq0, db0), jnp.arange(lay.num_kv_blocks))
   dq = jnp.moveaxis(dq_t, 2, 4)  # [B, Hkv, G, Sqp, D]

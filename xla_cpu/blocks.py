@@ -293,12 +293,14 @@ def allowed(prep: Prepared, lay: Layout, i, j, positional: bool = True):
 def dropout_keep(prep: Prepared, lay: Layout, i, j):
   """Keep-mask ``[B, Hkv, G, bq, bk]`` of the common hash at global indices."""
   spec = lay.spec
-  b = jnp.arange(spec.batch)[:, None, None, None]
-  h = (jnp.arange(spec.heads_kv)[:, None] * spec.group_size +
-       jnp.arange(spec.group_size)[None, :])[None, :, :, None]
-  rows = (i * lay.block_q + jnp.arange(lay.block_q))[None, None, None, :]
-  key = dropout_lib.row_key(prep.seed, b, h, rows)
-  cols = j * lay.block_kv + jnp.arange(lay.block_kv)
+  # Offsets of a block of a larger call (dropout.position_seed), else 0.
+  seed, b0, h0, i0, j0 = dropout_lib.unpack_seed(prep.seed)
+  b = b0 + jnp.arange(spec.batch)[:, None, None, None]
+  h = h0 + (jnp.arange(spec.heads_kv)[:, None] * spec.group_size +
+            jnp.arange(spec.group_size)[None, :])[None, :, :, None]
+  rows = i0 + (i * lay.block_q + jnp.arange(lay.block_q))[None, None, None, :]
+  key = dropout_lib.row_key(seed, b, h, rows)
+  cols = j0 + j * lay.block_kv + jnp.arange(lay.block_kv)
   return dropout_lib.keep_from_row_key(key[..., None], cols, spec.dropout_rate)
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import epilogue
+from ..common.compat import vary_like
 from ..common.spec import AttentionSpec, Operands
 from . import blocks
 from .config import XlaConfig
@@ -50,6 +51,9 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
                     preferred_element_type=acc_dt)
     return m_new, l, acc * alpha[..., None] + pv
 
+  # Inside shard_map, loop carries vary along the mesh axes the operands do.
+  vary = lambda x: vary_like(x, *jax.tree.leaves(prep))
+
   # Half-height edge steps update the top or bottom half of the row state.
   half = lay.block_q // 2
   take = lambda c, h: tuple(x[:, :, :, h * half:(h + 1) * half] for x in c)
@@ -57,9 +61,10 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
       jax.lax.dynamic_update_slice_in_dim(x, y, h * half, 3) for x, y in zip(c, sub))
 
   def q_block(i):
-    init = (jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
-            jnp.zeros((b, hkv, g, lay.block_q), acc_dt),
-            jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt))
+    init = tuple(vary(x) for x in (
+        jnp.full((b, hkv, g, lay.block_q), -jnp.inf, acc_dt),
+        jnp.zeros((b, hkv, g, lay.block_q), acc_dt),
+        jnp.zeros((b, hkv, g, lay.block_q, spec.head_dim_v), acc_dt)))
     m, l, acc = blocks.loop_blocks(step, prep, lay, seg, i, init, over_kv=True,
                                    halves=(take, put))
     lse = jnp.where(l > 0, m * mult + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)

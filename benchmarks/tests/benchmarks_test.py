@@ -154,3 +154,12 @@ def test_decode_shapes_get_their_key_length_and_bandwidth():
   assert rows[0].status == "ok"
   assert rows[0].gbs == pytest.approx(2 * k.size * 4 / (rows[0].ms * 1e-3) / 1e9)
   assert [s.seq_k for s in get("decode")] == [8192, 65536, 4096, 131072]
+
+
+def test_ring_mode_smoke(capsys):
+  # One CPU device here: the three modes run, and the table names them.
+  assert cli.main(["--ring", "64", "--iters", "1", "--repeats", "1"]) == 0
+  text = capsys.readouterr().out
+  for mode in ("ring (contiguous)", "ring (zigzag)", "all-gather", "one device"):
+    line = next(x for x in text.splitlines() if x.startswith(f"| {mode} | 64 |"))
+    assert float(line.split("|")[-2]) < 1e-4, line  # max diff from one device
