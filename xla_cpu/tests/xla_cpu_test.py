@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flashjax import xla_cpu
-from flashjax.common import conformance, reference, tolerances
+from flashjax.common import conformance, conformance_packed, reference, tolerances
 
 
 class TestXlaCpu(conformance.ConformanceSuite):
@@ -25,3 +25,12 @@ class TestXlaCpuSmallBlocks(conformance.ConformanceSuite):
   def attention(self, q, k, v, **kwargs):
     return xla_cpu.flash_attention(
         q, k, v, config=xla_cpu.XlaConfig(block_q=16, block_kv=32), **kwargs)
+
+
+def test_blocks_between_documents_are_skipped():
+  """Forward and backward loops leave out the blocks of other documents: one
+  document's NaN values reach no other document."""
+  cfg = xla_cpu.XlaConfig(block_q=16, block_kv=32)
+  conformance_packed.check_skips_between_documents(
+      lambda *a, **kw: xla_cpu.flash_attention(*a, config=cfg, **kw),
+      doc_len=32, causal=True)
