@@ -252,7 +252,7 @@ def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
   assert all(16384 <= s.seq_q <= 32768 and sum(s.documents) == s.seq_q
              for s in get("packed"))
   xla = impls.IMPLS["xla"].build()
-  shape = shapes.packed([(16, 48, 32, 16)], heads=2, head_dim=32)[1]  # causal
+  shape = shapes.packed([(16, 48, 16)], heads=2, head_dim=32)[1]  # causal
   rows = timing.run_shape({"xla": xla}, shape, jnp.float32, ["fwd"], iters=1,
                           repeats=1)
   assert [r.impl for r in rows] == ["xla", "xla[batched]", "flash_mha_varlen"]

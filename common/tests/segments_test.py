@@ -58,7 +58,7 @@ def _tables(q_ids, kv_ids, band, bq, bk, nq, nk):
           segments.visible_q_blocks(qr, kr, band, bq, bk))
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, database=None,
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(p=problems())
 def test_visible_ranges_cover_the_dense_segment_mask(p):
