@@ -168,6 +168,9 @@ def main(argv=None):
   if rows:
     os.remove(os.path.join(out_dir, "results.partial.csv"))
   print("wrote " + ", ".join(paths.values()))
-  wrong = [r for r in rows if r.status != "ok"]
+  # A declared gap (NotImplementedError: Mosaic-GPU on a packed row's segment
+  # ids) is reported in the table, not counted as a failure.
+  wrong = [r for r in rows
+           if r.status != "ok" and "NotImplementedError" not in r.status]
   return 1 if any(r.impl in ("xla", "pallas", "pallas-triton", "triton")
                   for r in wrong) else 0

@@ -33,7 +33,9 @@ def _flashjax_platform(module: str, **extra):
     reason = mod.supported(probe)
     if reason:
       raise NotImplementedError(reason)
-    return lambda q, k, v, causal: mod.flash_attention(q, k, v, causal=causal, **extra)
+    # Keyword arguments (segment_ids for packed shapes) go to the platform.
+    return lambda q, k, v, causal, **kw: mod.flash_attention(q, k, v, causal=causal,
+                                                             **extra, **kw)
   return build
 
 

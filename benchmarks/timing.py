@@ -12,6 +12,8 @@ from flashjax.common.timer import time_interleaved_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
+from . import packed
+
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -82,17 +84,24 @@ def allocator_peak_mib() -> float | None:
 
 
 def check(fn, shape: Shape, dtype) -> str:
-  """Runs ``fn`` on a smaller slice (B=1, S<=512, <=2 kv heads) against the
-  reference; returns "ok" or why the implementation is wrong."""
+  """Runs ``fn`` on a smaller slice (B=1, S<=512, <=2 kv heads; a packed shape
+  whole, so pass packed.check_shape) against the reference; returns "ok" or why
+  the implementation is wrong."""
   heads = shape.heads_q // shape.heads_kv * min(shape.heads_kv, 2)
-  q, k, v, _ = random_inputs(shape, dtype, seed=1, max_seq=512, batch=1,
+  # A packed row is checked whole (its documents are its point); others on a slice.
+  max_seq = None if shape.documents else 512
+  q, k, v, _ = random_inputs(shape, dtype, seed=1, max_seq=max_seq, batch=1,
                              heads=heads)
+  kw = {}
+  if shape.documents:
+    ids = jnp.asarray(packed.segment_ids(shape))
+    kw = dict(segment_ids=(ids, ids))
   try:
     out = np.asarray(jax.jit(lambda q, k, v: fn(q, k, v, shape.causal))(q, k, v),
                      np.float32)
   except Exception as e:
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-  ref = np.asarray(reference.attention(q, k, v, causal=shape.causal))
+  ref = np.asarray(reference.attention(q, k, v, causal=shape.causal, **kw))
   err = tolerances.rel_l2(out, ref)
   if not np.isfinite(out).all() or err > 2 * tolerances.forward(dtype).rel_l2:
     return f"WRONG (rel. L2 error {err:.2e} on a small slice)"
@@ -100,6 +109,10 @@ def check(fn, shape: Shape, dtype) -> str:
 
 
 def shape_flops(shape: Shape, direction: str) -> int:
+  """Useful flops: a packed row counts its documents' own."""
+  if shape.documents:
+    return sum(shape_flops(dataclasses.replace(shape, seq_q=n, seq_k=n, documents=()),
+                           direction) for n in shape.documents)
   band = Band(seq_q=shape.seq_q, seq_k=shape.seq_k, right=0 if shape.causal else None)
   fwd = flops.forward_flops(batch=shape.batch, heads_q=shape.heads_q,
                             head_dim=shape.head_dim, head_dim_v=shape.head_dim_v,
@@ -123,10 +136,20 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   come from the same stretch of time; ``bwd`` is forward+backward minus forward."""
   q, k, v, do = random_inputs(shape, dtype)
   status, compiled, calls = {}, {}, {}
-  for name, fn in fns.items():
-    status[name] = check(fn, shape, dtype)
+  if shape.documents:  # packed row: packed, batched and varlen variants
+    builders, small = packed.variants(fns), packed.check_shape(shape)
+  else:
+    builders, small = {n: (lambda s, fn=fn: fn) for n, fn in fns.items()}, shape
+  fns = {}
+  for name, build in builders.items():
+    try:
+      status[name] = check(build(small), small, dtype)
+      fns[name] = build(shape)
+    except Exception as e:  # a variant whose entry does not import
+      status[name], fns[name] = _error(e), None
     if status[name] != "ok":
       continue
+    fn = fns[name]
     fwd, fwd_bwd = functions(fn, shape.causal)
     compiled[name] = fwd, fwd_bwd
     if {"fwd", "bwd"} & set(directions):

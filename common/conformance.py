@@ -32,6 +32,8 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 
 from . import reference, tolerances
 from .conformance_x64 import X64Cases
+from .conformance_packed import KINDS as PACKED_KINDS, PackedSegmentCases
+from .conformance_packed import segment_ids as packed_segment_ids
 from .spec import FEATURES
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
@@ -142,6 +144,10 @@ def make_inputs(case: Case):
       q_ids = _segments(rng, case.batch, case.seq_q, 2, case.seq_q // 5)
       kv_ids = _segments(rng, case.batch, case.seq_k, 2, case.seq_k // 7)
       q_ids = np.where(q_ids < 0, -2, q_ids)  # q padding matches nothing
+    elif case.segment_ids in PACKED_KINDS:  # conformance_packed.py
+      q_ids = packed_segment_ids(rng, case.segment_ids, case.batch, case.seq_q)
+      kv_ids = q_ids if case.seq_q == case.seq_k else packed_segment_ids(
+          rng, case.segment_ids, case.batch, case.seq_k)
     else:  # "disjoint": random ids, many rows match nothing
       q_ids = rng.integers(0, 4, (case.batch, case.seq_q)).astype(np.int32)
       kv_ids = rng.integers(2, 6, (case.batch, case.seq_k)).astype(np.int32)
@@ -202,7 +208,7 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
                for r in results)
 
 
-class ConformanceSuite(X64Cases):
+class ConformanceSuite(X64Cases, PackedSegmentCases):
   """Base class; subclasses set ``CAPS`` and implement ``attention``."""
 
   CAPS: Capabilities

@@ -15,10 +15,35 @@ class Shape:
   heads_kv: int
   head_dim: int
   causal: bool = False
+  # Packed rows: the lengths of the documents each row holds, in order (their
+  # sum is seq_q = seq_k); empty for rows of one sequence.
+  documents: tuple[int, ...] = ()
 
   @property
   def head_dim_v(self) -> int:
     return self.head_dim
+
+
+def packed(documents_sets, heads=16, head_dim=128, label=None):
+  """Shapes of one row (B = 1) packing each tuple of document lengths, causal
+  and not. Named ``B1-<n>x<len>`` for equal lengths, else ``B1-mixed<total>``."""
+  out = []
+  for causal in (False, True):
+    for docs in documents_sets:
+      total = sum(docs)
+      if len(set(docs)) == 1:
+        what = f"{len(docs)}x{docs[0]}"
+      else:
+        what = f"mixed{total // 1024}k" if total >= 1024 else f"mixed{total}"
+      out.append(Shape(name=f"B1-{what}-H{heads}-D{head_dim}"
+                       + ("-causal" if causal else ""), batch=1, seq_q=total,
+                       seq_k=total, heads_q=heads, heads_kv=heads,
+                       head_dim=head_dim, causal=causal, documents=tuple(docs)))
+  return tuple(out)
+
+
+# 64 to 8192 tokens in one 16k row, long and short documents interleaved.
+MIXED_16K = (8192, 64, 2048, 512, 128, 4096, 1024, 256, 64)
 
 
 def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384)):
@@ -68,6 +93,11 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         Shape(name=f"B1-S{s // 1024}k-H8-D64" + ("-causal" if c else ""), batch=1,
               seq_q=s, seq_k=s, heads_q=8, heads_kv=8, head_dim=64, causal=c)
         for s in (8192, 16384, 32768, 65536) for c in (True,)),
+    # Documents packed into 16k-32k tokens with segment ids; the benchmark runs
+    # each beside the same documents as batched calls (benchmarks/packed.py).
+    "packed": packed([(2048,) * 8, (512,) * 32, MIXED_16K, (2048,) * 16]),
+    # CPU: 8 documents of 512 tokens, fp32, H = 8, D = 64.
+    "packed_cpu": packed([(512,) * 8], heads=8, head_dim=64),
     "quick": tuple(
         Shape(name=f"B1-S{s}-H4-D64" + ("-causal" if c else ""), batch=1,
               seq_q=s, seq_k=s, heads_q=4, heads_kv=4, head_dim=64, causal=c)

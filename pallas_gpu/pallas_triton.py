@@ -93,7 +93,7 @@ def forward(ops, spec, static: _Static):
   plan = plans["fwd"]
   slots = (cfg.tail_slots or registry.num_sms()) if cfg.split_tail else 0
   out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
-                                cfg.fold_causal, slots)
+                                cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -107,7 +107,9 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
                                            spec.head_dim_v)))
   dq, dk, dv, ds = triton_bwd.backward(
       x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
-      lse_rows, delta_rows, static.interpret)
+      lse_rows, delta_rows, static.interpret,
+      tp.visible_blocks(ops, plans["dq"]),
+      tp.visible_blocks(ops, plans["dkv"], over_kv=False))
   dbias = dsinks = None
   if ops.bias is not None:
     dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)

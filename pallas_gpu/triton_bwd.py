@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import triton_plan as tp
-from .triton_fwd import in_specs, stages, tiles
+from .triton_fwd import in_specs, segment_specs, stages, tiles
 
 
 def _p_ds(plan: tp.Plan, r, t, q, k, v, do, lse2, delta, q_ids, b, h, i, j,
@@ -62,7 +62,7 @@ def _dq_kernel(*refs, plan: tp.Plan, names):
       r["ds"][:, pl.ds(j * bk, bk)] = ds
     return dq + tp.dot(ds.astype(k.dtype), k, plan)
 
-  dq = stages(plan, *plan.kv_ranges(i), body,
+  dq = stages(plan, *tp.narrow_to_segments(r, plan.kv_ranges(i), i), body,
               jnp.zeros((bq, plan.head_dim_padded), jnp.float32))
   r["dq"][...] = (dq * plan.spec.softmax_scale).astype(r["dq"].dtype)
 
@@ -85,7 +85,7 @@ def _dkv_kernel(*refs, plan: tp.Plan, names):
     dk = dk + tp.dot(ds.T.astype(q.dtype), q, plan)
     return dk, dv
 
-  lo, lo_full, hi_full, hi = plan.q_ranges(j)
+  lo, lo_full, hi_full, hi = tp.narrow_to_segments(r, plan.q_ranges(j), j)
   dk, dv = stages(plan, lo, lo_full, hi_full, hi, body,
                   (jnp.zeros((bk, plan.head_dim_padded), jnp.float32),
                    jnp.zeros((bk, plan.head_dim_v_padded), jnp.float32)))
@@ -94,9 +94,11 @@ def _dkv_kernel(*refs, plan: tp.Plan, names):
 
 
 def backward(x: tp.KernelOperands, plan_dq: tp.Plan, plan_dkv: tp.Plan, cfg_dq,
-             cfg_dkv, do, lse, delta, interpret):
+             cfg_dkv, do, lse, delta, interpret, visible_dq=None, visible_dkv=None):
   """``do [B, Sqp, Hq, Dvp]``, ``lse, delta [B, Hq, Sqp]`` fp32. Returns dq, dk, dv
   (padded kernel layout; dk/dv fp32 per query head when grouped) and ds or None.
+  ``visible_dq``/``visible_dkv``: the block ranges segment ids leave to each
+  kernel (tp.visible_blocks), or None.
 
   Both plans must pad the sequences alike (their blocks divide one padding)."""
   spec = plan_dq.spec
@@ -119,6 +121,7 @@ def backward(x: tp.KernelOperands, plan_dq: tp.Plan, plan_dkv: tp.Plan, cfg_dq,
   ] + in_specs(x, plan_dq, pl.BlockSpec((None, sqp), lambda i, b, h: (b, 0)),
                pl.BlockSpec((None, skp), lambda i, b, h: (b, 0)),
                lambda i, b, h: (b, h))
+  specs += segment_specs(visible_dq, lambda i, b, h: (b, 0))
   out_shape = [jax.ShapeDtypeStruct(x.q.shape, x.q.dtype)]
   out_specs = [pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0))]
   aliases = {}
@@ -157,6 +160,7 @@ def backward(x: tp.KernelOperands, plan_dq: tp.Plan, plan_dkv: tp.Plan, cfg_dq,
                # Whole rows: tiles() slices the kv tile itself.
                pl.BlockSpec((None, skp), lambda j, b, h: (b, 0)),
                lambda j, b, h: (b, h))
+  specs += segment_specs(visible_dkv, lambda j, b, h: (b, 0))
   names = [n for n, _, _ in specs] + ["dk", "dv"]
   # Grouped heads: one partial per query head, summed per group by XLA in fp32.
   heads, dt_k, dt_v = (hq, jnp.float32, jnp.float32) if g > 1 else (

@@ -132,7 +132,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
 
   init = (jnp.zeros((bq, plan.head_dim_v_padded), jnp.float32),
           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  lo, lo_full, hi_full, hi = plan.kv_ranges(i)
+  lo, lo_full, hi_full, hi = tp.narrow_to_segments(r, plan.kv_ranges(i), i)
   if part is not None:
     lo, hi = triton_tail.key_range(lo, hi, *part)
     lo_full, hi_full = (jnp.clip(x, lo, hi) for x in (lo_full, hi_full))
@@ -174,6 +174,15 @@ def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
   return out
 
 
+def segment_specs(visible, batch_map):
+  """(name, spec, array) of the visible-range tables (whole rows per batch)."""
+  if visible is None:
+    return []
+  n = visible[0].shape[1]
+  return [(name, pl.BlockSpec((None, n), batch_map), arr)
+          for name, arr in zip(("seg_lo", "seg_hi"), visible)]
+
+
 def splits_tail(plan: tp.Plan, fold: bool, slots: int):
   """The key split of the last wave (TritonConfig.split_tail), or None: only for
   equal programs (the full band, unfolded) without dropout, whose 1/(1 - rate)
@@ -185,10 +194,11 @@ def splits_tail(plan: tp.Plan, fold: bool, slots: int):
 
 
 def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret,
-            fold_causal: bool = False, tail_slots: int = 0):
+            fold_causal: bool = False, tail_slots: int = 0, visible=None):
   """``out [B, Sqp, Hq, Dvp]`` (input dtype), ``lse [B, Hq, Sqp]`` (fp32, rows
   only, no sinks). ``tail_slots``: programs that run at once, > 0 to split the
-  last wave along the keys (triton_tail.py)."""
+  last wave along the keys (triton_tail.py). ``visible``: per q block, the kv
+  blocks segment ids leave (tp.visible_blocks), or None."""
   spec = plan.spec
   bq, g = plan.block_q, spec.group_size
   dp, dvp = plan.head_dim_padded, plan.head_dim_v_padded
@@ -217,6 +227,7 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
                pl.BlockSpec((None, rq), index(lambda i, b, h: (b, qi(i)))),
                pl.BlockSpec((None, skp), index(lambda i, b, h: (b, 0))),
                index(lambda i, b, h: (b, h)))
+  specs += segment_specs(visible, index(lambda i, b, h: (b, 0)))
   names = [n for n, _, _ in specs] + ["o", "lse"]
   out_shape = [jax.ShapeDtypeStruct((spec.batch, sqp, spec.heads_q, dvp), x.q.dtype),
                jax.ShapeDtypeStruct((spec.batch, spec.heads_q, sqp), jnp.float32)]

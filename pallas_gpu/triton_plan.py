@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..common import dropout as dropout_lib
+from ..common import segments
 from ..common.blocking import pad_axis, pad_broadcastable
 from ..common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
 from ..common.mask import band_allowed
@@ -186,6 +187,30 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
                         pad4(ops.k, plan.seq_k_padded, dp),
                         pad4(ops.v, plan.seq_k_padded, dvp),
                         bias, mask, q_ids, kv_ids, seed)
+
+
+def visible_blocks(ops: Operands, plan: Plan, over_kv: bool = True):
+  """Per q block (``over_kv``) or kv block, the block range ``(lo, hi)`` that
+  segment ids and band leave visible (common/segments.py), ``[B, n]`` int32 with
+  n padded to a power of two (Triton's block shapes), or None without ids."""
+  if ops.q_segment_ids is None:
+    return None
+  q = segments.block_id_ranges(ops.q_segment_ids, plan.block_q, plan.num_q_blocks)
+  kv = segments.block_id_ranges(ops.kv_segment_ids, plan.block_kv,
+                                plan.num_kv_blocks)
+  visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
+  lo, hi = visible(q, kv, plan.spec.band, plan.block_q, plan.block_kv)
+  n = 1 << (lo.shape[1] - 1).bit_length()
+  return pad_axis(lo, 1, n), pad_axis(hi, 1, n)
+
+
+def narrow_to_segments(r: dict, bounds, outer):
+  """Loop boundaries of outer block ``outer`` clipped to its visible range when
+  the kernel has one (refs ``seg_lo``/``seg_hi``): the loops then run over the
+  blocks of the documents the block holds, not the band's whole range."""
+  if "seg_lo" not in r:
+    return bounds
+  return segments.narrow(bounds, r["seg_lo"][outer], r["seg_hi"][outer])
 
 
 # -- tile math -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from ..common import dropout as dropout_lib
+from ..common import segments
 from ..common.blocking import BlockGrid, pad_axis, pad_broadcastable
 from ..common.spec import AttentionSpec, Operands
 from .config import BlockSizes
@@ -57,20 +58,17 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
 
 
 def segment_ranges(x: KernelOperands, plan: Plan):
-  """Per-block min/max of segment ids, flattened ``[B * n]`` int32 (SMEM), or
-  None. Disjoint ranges mean no id can match, for sorted or unsorted ids."""
+  """Per-block min/max of segment ids (common/segments.py), flattened ``[B * n]``
+  int32 (SMEM), or None. Disjoint ranges mean no id can match, for sorted or
+  unsorted ids."""
   if x.q_ids is None:
     return None
   spec = plan.spec
-  b = spec.batch
-  real_q = jnp.arange(plan.seq_q_padded) < spec.seq_q
-  real_k = jnp.arange(plan.seq_k_padded) < spec.seq_k
-  q = jnp.where(real_q, x.q_ids[:, :, 0], x.q_ids[:, spec.seq_q - 1:spec.seq_q, 0])
-  k = jnp.where(real_k, x.kv_ids[:, 0], x.kv_ids[:, 0, spec.seq_k - 1:spec.seq_k])
-  q = q.reshape(b, plan.num_q_blocks, plan.block_q)
-  k = k.reshape(b, plan.num_kv_blocks, plan.block_kv)
-  flat = lambda a: a.reshape(-1).astype(jnp.int32)
-  return flat(q.min(-1)), flat(q.max(-1)), flat(k.min(-1)), flat(k.max(-1))
+  q = segments.block_id_ranges(x.q_ids[:, :spec.seq_q, 0], plan.block_q,
+                               plan.num_q_blocks)
+  k = segments.block_id_ranges(x.kv_ids[:, 0, :spec.seq_k], plan.block_kv,
+                               plan.num_kv_blocks)
+  return tuple(a.reshape(-1) for a in (*q, *k))
 
 
 def broadcast_index(shape, b, h, i, j):

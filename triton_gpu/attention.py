@@ -93,12 +93,18 @@ def _prepare(ops, spec, geo: Geometry) -> _Inputs:
   return _Inputs(q, k, v, q_ids, kv_ids, bias, mask, seed)
 
 
+def _table(ops, geo: Geometry, bm: int, bn: int, over_kv: bool):
+  ids = None if ops.q_segment_ids is None else (ops.q_segment_ids,
+                                                ops.kv_segment_ids)
+  return jnp.asarray(geo.block_table(bm, bn, over_kv, ids))
+
+
 def forward(ops, spec, static: _Static):
   cfg = static.config
   geo = Geometry.of(spec, cfg)
   x = _prepare(ops, spec, geo)
   bm, bn = cfg.fwd.block_q, cfg.fwd.block_kv
-  table = jnp.asarray(geo.kv_table(bm, bn))
+  table = _table(ops, geo, bm, bn, over_kv=True)
   out, lse = jt.triton_call(
       x.q, x.k, x.v, *x.pointers(), table, kernel=kernels.fwd_kernel,
       out_shape=[jax.ShapeDtypeStruct((spec.batch, geo.seq_q_padded, spec.heads_q,
@@ -126,7 +132,8 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   # With a bias the dq kernel also writes ds (zeroed first: skipped blocks stay 0).
   ds_shape = (spec.batch, spec.heads_q, sqp, skp) if x.bias is not None else (1,)
   dq, ds = jt.triton_call(
-      *common, jnp.asarray(geo.kv_table(bm, bn)), kernel=kernels.dq_kernel,
+      *common, _table(ops, geo, bm, bn, over_kv=True),
+      kernel=kernels.dq_kernel,
       out_shape=[jax.ShapeDtypeStruct(x.q.shape, x.q.dtype),
                  jax.ShapeDtypeStruct(ds_shape, jnp.float32)],
       zeroed_outputs=(1,) if x.bias is not None else (),
@@ -136,7 +143,8 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
 
   bm, bn = cfg.dkv.block_q, cfg.dkv.block_kv
   dk, dv = jt.triton_call(
-      *common, jnp.asarray(geo.q_table(bm, bn)), kernel=kernels.dkv_kernel,
+      *common, _table(ops, geo, bm, bn, over_kv=False),
+      kernel=kernels.dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct(x.k.shape, x.k.dtype),
                  jax.ShapeDtypeStruct(x.v.shape, x.v.dtype)],
       grid=(skp // bn, spec.batch * spec.heads_kv),

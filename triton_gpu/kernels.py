@@ -1,9 +1,11 @@
 """Triton kernels of the triton_gpu platform: forward, dq and dkv.
 
 Inputs are contiguous, padded ``[B, S, H, D]`` arrays addressed directly (no
-transposes). Block ranges come from per-block int32 tables built on the host from
-the static band, so each program runs three loops: masked edge blocks, unmasked
-interior blocks, masked edge blocks. Softmax runs in base 2 (exp2). The dkv kernel
+transposes). Block ranges come from per-block int32 tables ``[B, n, 4]``, built
+on the host from the static band and, with segment ids, narrowed per batch
+element to the blocks the ids leave visible (common/segments.py), so each program
+runs three loops: masked edge blocks, unmasked interior blocks, masked edge
+blocks. Softmax runs in base 2 (exp2). The dkv kernel
 owns one kv head's block and walks the whole query group, so GQA needs no partial
 buffers and no atomics: runs are deterministic.
 
@@ -199,8 +201,8 @@ def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
   l = tl.zeros([BM], tl.float32)
   acc = tl.zeros([BM, DV], tl.float32)
   for phase in tl.static_range(3):
-    lo = tl.load(Table + i * 4 + phase)
-    hi = tl.load(Table + i * 4 + phase + 1)
+    lo = tl.load(Table + (b * (SQ // BM) + i) * 4 + phase)
+    hi = tl.load(Table + (b * (SQ // BM) + i) * 4 + phase + 1)
     if phase == 1:
       # Interior blocks: issue block j + 1's q.k^T before block j's softmax, so
       # the tensor cores work while the softmax runs (FlashAttention-3's
@@ -292,8 +294,8 @@ def dq_kernel(Q, K, V, DO, Lse, Delta, QIds, KvIds, Bias, Mask, Seed, Table, DQ,
     keys = _row_keys(Seed, b, h, offs_m)
   dq = tl.zeros([BM, D], tl.float32)
   for phase in tl.static_range(3):
-    lo = tl.load(Table + i * 4 + phase)
-    hi = tl.load(Table + i * 4 + phase + 1)
+    lo = tl.load(Table + (b * (SQ // BM) + i) * 4 + phase)
+    hi = tl.load(Table + (b * (SQ // BM) + i) * 4 + phase + 1)
     for j in range(lo, hi):
       offs_n = j * BN + tl.arange(0, BN)
       kt = tl.load(K + ((b * SK + offs_n[None, :]) * HKV + hk) * D + offs_d[:, None])
@@ -358,8 +360,8 @@ def dkv_kernel(Q, K, V, DO, Lse, Delta, QIds, KvIds, Bias, Mask, Seed, Table, DK
     bias_ptr = Bias + b * BSB + h * BSH
     mask_ptr = Mask + b * MSB + h * MSH
     for phase in tl.static_range(3):
-      lo = tl.load(Table + j * 4 + phase)
-      hi = tl.load(Table + j * 4 + phase + 1)
+      lo = tl.load(Table + (b * (SK // BN) + j) * 4 + phase)
+      hi = tl.load(Table + (b * (SK // BN) + j) * 4 + phase + 1)
       for i in range(lo, hi):
         offs_m = i * BM + tl.arange(0, BM)
         q = tl.load(Q + ((b * SQ + offs_m[:, None]) * HQ + h) * D + offs_d[None, :])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
-from ..common import env
+from ..common import env, segments
 from ..common.launch import (GpuTarget, KernelConfig, KernelsConfig, fit_to_lengths,
                              fit_to_shared_memory, gpu_target, tile_size,
                              with_forward_blocks)
@@ -117,6 +118,23 @@ class Geometry:
       b = min(max(full_hi // bq, a), hi)
       out[j] = (lo, a, b, hi)
     return out
+
+
+  def block_table(self, bq: int, bk: int, over_kv: bool, segment_ids=None):
+    """``[B, n, 4]`` int32 loop boundaries of each program: :meth:`kv_table`
+    (``over_kv``) or :meth:`q_table` per batch element, narrowed by
+    ``segment_ids = (q_ids [B, Sq], kv_ids [B, Sk])`` (traced) to the blocks the
+    ids leave visible (common/segments.py)."""
+    static = self.kv_table(bq, bk) if over_kv else self.q_table(bq, bk)
+    table = np.broadcast_to(static, (self.spec.batch,) + static.shape)
+    if segment_ids is None:
+      return table
+    q = segments.block_id_ranges(segment_ids[0], bq, self.seq_q_padded // bq)
+    kv = segments.block_id_ranges(segment_ids[1], bk, self.seq_k_padded // bk)
+    visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
+    lo, hi = visible(q, kv, self.spec.band, bq, bk)
+    bounds = segments.narrow(tuple(table[..., c] for c in range(4)), lo, hi)
+    return jnp.stack(bounds, -1).astype(jnp.int32)
 
 
 def _strides(shape, names):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
+from ..common import segments
 from ..common.blocking import BlockGrid, pad_axis
 from ..common.mask import band_allowed
 from ..common.spec import AttentionSpec, Operands
@@ -305,22 +306,26 @@ def dropout_keep(prep: Prepared, lay: Layout, i, j):
 
 
 def segment_ranges(prep: Prepared, lay: Layout):
-  """Per-block (min, max) of segment ids, ``[B, nq]`` and ``[B, nk]`` each, or None.
-
-  Two blocks whose id ranges are disjoint in every batch element share no id, so
-  the block can be skipped; this holds for any ids, sorted or not.
-  """
+  """Per-block ``(min, max)`` of segment ids (common/segments.py), ``([B, nq],
+  [B, nk])`` pairs, or None without ids."""
   if prep.q_ids is None:
     return None
-  b = lay.spec.batch
-  q = prep.q_ids.reshape(b, lay.num_q_blocks, lay.block_q)
-  # Padded tails must not widen the ranges: use the last real id.
-  kv = jnp.where(jnp.arange(lay.seq_k_padded) < lay.spec.seq_k, prep.kv_ids,
-                 prep.kv_ids[:, lay.spec.seq_k - 1:lay.spec.seq_k])
-  q = jnp.where(jnp.arange(lay.seq_q_padded).reshape(lay.num_q_blocks, lay.block_q)
-                < lay.spec.seq_q, q, prep.q_ids[:, lay.spec.seq_q - 1, None, None])
-  kv = kv.reshape(b, lay.num_kv_blocks, lay.block_kv)
-  return (q.min(-1), q.max(-1)), (kv.min(-1), kv.max(-1))
+  spec = lay.spec
+  return (segments.block_id_ranges(prep.q_ids[:, :spec.seq_q], lay.block_q,
+                                   lay.num_q_blocks),
+          segments.block_id_ranges(prep.kv_ids[:, :spec.seq_k], lay.block_kv,
+                                   lay.num_kv_blocks))
+
+
+def _visible(seg, lay: Layout, over_kv: bool):
+  """Per outer block, the inner blocks ``[lo, hi)`` that the band and the ids of
+  some batch element leave: the batch shares one loop, so it runs over the union
+  (``lo = hi`` when no element sees any)."""
+  visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
+  lo, hi = visible(*seg, lay.spec.band, lay.block_q, lay.block_kv)
+  some = hi > lo
+  n = lay.num_kv_blocks if over_kv else lay.num_q_blocks
+  return jnp.where(some, lo, n).min(0), jnp.where(some, hi, 0).max(0)
 
 
 def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
@@ -338,9 +343,12 @@ def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
   square instead of all of it). Walking kv blocks, the carry is the per-row state
   of the q block, so ``halves = (take, put)`` cuts it (``take(carry, half)``) and
   joins it back (``put(carry, sub, half)``). Blocks whose segment ranges cannot
-  meet are skipped with a cond (segment ids are data).
+  meet are skipped: each run is narrowed to the outer block's visible range
+  (common/segments.py), and blocks inside it are skipped with a cond (segment
+  ids are data).
   """
   ranges = lay.split_ranges(over_kv)
+  visible = None if seg is None else _visible(seg, lay, over_kv)
   half_lay = lay.halved() if lay.splits_rows else None
 
   def run(lay_q, half, first, positional, c):
@@ -357,11 +365,13 @@ def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
       i_q = i if half is None else 2 * i + half
       if seg is None:
         return step(lay_q, i_q, j, c, positional)
-      return jax.lax.cond(blocks_may_interact(seg, i, j),
+      return jax.lax.cond(segments.blocks_meet(*seg, i, j).any(),
                           lambda c: step(lay_q, i_q, j, c, positional),
                           lambda c: c, c)
-    return jax.lax.fori_loop(jnp.asarray(start)[outer], jnp.asarray(stop)[outer],
-                             body, c)
+    bounds = jnp.asarray(start)[outer], jnp.asarray(stop)[outer]
+    if visible is not None:
+      bounds = segments.narrow(bounds, visible[0][outer], visible[1][outer])
+    return jax.lax.fori_loop(*bounds, body, c)
 
   def run_half(half, first, c):
     if over_kv:
@@ -381,7 +391,3 @@ def loop_blocks(step, prep: Prepared, lay: Layout, seg, outer, carry, *,
     carry = run_half(bottom, 4, carry)
   return carry
 
-
-def blocks_may_interact(ranges, i, j):
-  (qmin, qmax), (kmin, kmax) = ranges
-  return jnp.any((qmin[:, i] <= kmax[:, j]) & (kmin[:, j] <= qmax[:, i]))

@@ -163,3 +163,22 @@ def test_ring_mode_smoke(capsys):
   for mode in ("ring (contiguous)", "ring (zigzag)", "all-gather", "one device"):
     line = next(x for x in text.splitlines() if x.startswith(f"| {mode} | 64 |"))
     assert float(line.split("|")[-2]) < 1e-4, line  # max diff from one device
+
+
+def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
+  """The packed sets' rule at tiny size (mixed lengths, causal): every variant is
+  checked against the reference with segment ids, then timed."""
+  from flashjax.common import shapes
+  assert {s.documents for s in get("packed")} >= {(2048,) * 8, (512,) * 32}
+  assert all(16384 <= s.seq_q <= 32768 and sum(s.documents) == s.seq_q
+             for s in get("packed"))
+  xla = impls.IMPLS["xla"].build()
+  shape = shapes.packed([(16, 48, 16)], heads=2, head_dim=32)[1]  # causal
+  rows = timing.run_shape({"xla": xla}, shape, jnp.float32, ["fwd"], iters=1,
+                          repeats=1)
+  assert [r.impl for r in rows] == ["xla", "xla[batched]", "flash_mha_varlen"]
+  assert all(r.status == "ok" and r.ms > 0 for r in rows), rows
+  assert timing.shape_flops(shape, "fwd") == sum(
+      timing.shape_flops(Shape(name="d", batch=1, seq_q=n, seq_k=n, heads_q=2,
+                               heads_kv=2, head_dim=32, causal=True), "fwd")
+      for n in shape.documents)

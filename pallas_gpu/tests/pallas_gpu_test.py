@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax.common import conformance, conformance_kvcache, spec, tolerances
+from flashjax.common import conformance, conformance_kvcache, conformance_packed, spec, tolerances
 from flashjax.pallas_gpu import pallas_triton, triton_tail
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
@@ -550,3 +550,29 @@ class TestPallasKvCacheGpu(conformance_kvcache.KvCacheSuite):
 
   def kvcache(self, *args, **kwargs):
     return flashjax.flash_mha_with_kvcache(*args, platform=self.platform, **kwargs)
+
+def test_blocks_between_documents_are_skipped():
+  """Forward, dq and dkv kernels (folded causal forward too) leave out the blocks
+  of other documents: one document's NaN values reach no other document."""
+  conformance_packed.check_skips_between_documents(
+      lambda *a, **kw: pallas_triton.flash_attention(*a, interpret=True,
+                                                     config=SMALL, **kw),
+      doc_len=32, causal=True)
+
+
+def test_segment_ranges_lower_for_cuda():
+  """The visible-range tables reach all three kernels of a compiled call."""
+  sd = jax.ShapeDtypeStruct
+  q = sd((1, 1024, 4, 64), jnp.bfloat16)
+  ids = sd((1, 1024), jnp.int32)
+
+  def fwd_bwd(q, k, v, ids):
+    ops, s = spec.canonicalize(q, k, v, segment_ids=(ids, ids), causal=True)
+    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    out, lse = pallas_triton.forward(ops, s, static)
+    return pallas_triton.backward(ops, s, static, out, lse, out, lse)
+
+  text = jax.jit(fwd_bwd).trace(q, q, q, ids).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for name in ("fwd", "bwd_dq", "bwd_dkv"):
+    assert f"flashjax_pallas_triton_{name}" in text

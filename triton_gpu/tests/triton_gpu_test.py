@@ -266,3 +266,36 @@ class TestTritonKvCacheGpu(conformance_kvcache.KvCacheSuite):
 
   def kvcache(self, *args, **kwargs):
     return flashjax.flash_mha_with_kvcache(*args, platform="triton", **kwargs)
+
+@pytest.mark.parametrize("band", [(None, None), (None, 0), (40, 8)])
+def test_block_tables_narrowed_by_segment_ids(band):
+  """Per batch element, blocks holding an allowed pair stay in [lo, hi); interior
+  runs stay unmasked-exact; sorted documents shrink the work to theirs."""
+  from flashjax.common import conformance_packed
+  kw = {}
+  if band != (None, None):
+    kw = dict(causal=True) if band == (None, 0) else dict(sliding_window=band)
+  rng = np.random.default_rng(len(kw))
+  ids = conformance_packed.segment_ids(rng, "documents", 2, 300)
+  spec = _spec(**kw)
+  geo = plan.Geometry(spec, 64, 32)
+  dense = np.asarray(spec.band.as_array())[None] & (ids[:, :, None] == ids[:, None, :])
+  for bq, bk in ((64, 32), (32, 32)):
+    for over_kv in (True, False):
+      table = np.asarray(geo.block_table(bq, bk, over_kv, (ids, ids)))
+      band_only = geo.block_table(bq, bk, over_kv)
+      assert table.shape == band_only.shape
+      for x, i in itertools.product(range(2), range(table.shape[1])):
+        lo, a, b, hi = table[x, i]
+        assert lo <= a <= b <= hi
+        lo0, a0, b0, hi0 = band_only[x, i]
+        assert lo0 <= lo and hi <= hi0 and (a >= b or a0 <= a <= b <= b0)
+        inner = geo.seq_k_padded // bk if over_kv else geo.seq_q_padded // bq
+        for n in range(inner):
+          r, c = (i, n) if over_kv else (n, i)
+          if dense[x, r * bq:(r + 1) * bq, c * bk:(c + 1) * bk].any():
+            assert lo <= n < hi, (over_kv, x, i, n)
+  work = lambda t: int((t[0, :, 3] - t[0, :, 0]).sum())
+  if band[0] is None:  # sorted documents of 4-24 tokens in a full or causal band
+      assert work(geo.block_table(32, 32, True, (ids, ids))) < work(
+        geo.block_table(32, 32, True)) // 2

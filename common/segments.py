@@ -1,0 +1,120 @@
+"""Block ranges of segment ids: which blocks of a packed call can meet.
+
+Packed rows hold several documents told apart by segment ids (``mask.py``: a
+query sees a key only where their ids are equal). Two blocks whose id ranges
+``[min, max]`` are disjoint share no id, for sorted or unsorted ids, so a kernel
+can skip them. For the usual layout (sorted ids, documents one after another)
+the blocks a q block meets form one run, and narrowing each q block's kv loop
+(each kv block's q loop for dK/dV) to that run skips every block between
+documents: the per-program work follows the documents' own blocks.
+
+All functions take traced ids (the ranges are data, computed once per call):
+
+* :func:`block_id_ranges`: per-block ``(min, max)`` of the ids, O(S);
+* :func:`blocks_meet`: the per-block predicate on those ranges;
+* :func:`visible_kv_blocks` / :func:`visible_q_blocks`: per q block (kv block),
+  the first and one-past-last block of the band's range whose ids can meet it;
+* :func:`narrow`: a platform's own nondecreasing loop boundaries (masked edge,
+  interior, masked edge runs) clipped to such a range.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .blocking import BlockGrid
+from .mask import Band
+
+
+def block_id_ranges(ids, block: int, num_blocks: int | None = None):
+  """``ids [B, S]`` -> per-block ``(min, max)``, each ``[B, num_blocks]`` int32.
+
+  Blocks are ``block`` positions wide; ``num_blocks`` (default ``ceil(S /
+  block)``) may cover padding past ``S``, which repeats the last id so that it
+  does not widen a block's range (padded positions are masked by the kernels).
+  """
+  b, s = ids.shape
+  n = -(-s // block) if num_blocks is None else num_blocks
+  if n * block < s:
+    raise ValueError(f"num_blocks * block must cover the ids' length {s}, got "
+                     f"num_blocks={n}, block={block}")
+  x = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, n * block - s)), mode="edge")
+  x = x.reshape(b, n, block)
+  return x.min(-1), x.max(-1)
+
+
+def blocks_meet(q_ranges, kv_ranges, i, j):
+  """Whether q block(s) ``i`` and kv block(s) ``j`` may share an id: ``[B]`` bool
+  for scalar indices (or broadcast over index arrays)."""
+  (qmin, qmax), (kmin, kmax) = q_ranges, kv_ranges
+  return (qmin[:, i] <= kmax[:, j]) & (kmin[:, j] <= qmax[:, i])
+
+
+def _meet_matrix(q_ranges, kv_ranges):
+  """``[B, nq, nk]`` bool. Block-level, so small next to the attention itself:
+  65,536 entries per row for 16k tokens in 64 x 64 blocks."""
+  (qmin, qmax), (kmin, kmax) = q_ranges, kv_ranges
+  return ((qmin[:, :, None] <= kmax[:, None, :]) &
+          (kmin[:, None, :] <= qmax[:, :, None]))
+
+
+def _first_last(visible):
+  """``visible [B, no, ni]`` -> ``(first, last + 1)`` per outer block, ``(0, 0)``
+  where none is visible."""
+  ni = visible.shape[-1]
+  some = visible.any(-1)
+  first = jnp.argmax(visible, -1).astype(jnp.int32)
+  stop = (ni - jnp.argmax(visible[..., ::-1], -1)).astype(jnp.int32)
+  return jnp.where(some, first, 0), jnp.where(some, stop, 0)
+
+
+def _in_range(lo, hi, n_outer, n_inner):
+  """``[n_outer, n_inner]`` bool: inner block in ``[lo, hi)`` of its outer block;
+  outer blocks past the given ranges (padding) reach nothing."""
+  lo = np.zeros(n_outer, np.int32) if lo is None else _fit(lo, n_outer)
+  hi = np.full(n_outer, n_inner, np.int32) if hi is None else _fit(hi, n_outer)
+  inner = np.arange(n_inner)[None, :]
+  return (inner >= lo[:, None]) & (inner < hi[:, None])
+
+
+def _fit(x, n):
+  x = np.asarray(x, np.int32)[:n]
+  return np.pad(x, (0, n - x.shape[0]))
+
+
+def visible_kv_blocks(q_ranges, kv_ranges, band: Band | None = None,
+                      block_q: int | None = None, block_kv: int | None = None):
+  """Per q block, the kv blocks ``[lo, hi)`` from the first to the last one that
+  both the band reaches and whose ids can meet the q block's; ``[B, nq]`` int32
+  each, ``lo = hi = 0`` where none. Without ``band``, every kv block is in reach.
+
+  Every block holding an allowed (query, key) pair lies in the range; blocks
+  inside it whose ids cannot meet are left to :func:`blocks_meet` (with sorted
+  ids there are none)."""
+  nq, nk = q_ranges[0].shape[1], kv_ranges[0].shape[1]
+  lo = hi = None
+  if band is not None:
+    lo, hi = BlockGrid(band, block_q, block_kv).kv_block_ranges()
+  reach = _in_range(lo, hi, nq, nk)
+  return _first_last(_meet_matrix(q_ranges, kv_ranges) & reach[None])
+
+
+def visible_q_blocks(q_ranges, kv_ranges, band: Band | None = None,
+                     block_q: int | None = None, block_kv: int | None = None):
+  """The transpose, for the dK/dV pass: per kv block, the q blocks ``[lo, hi)``
+  that reach it and whose ids can meet its own; ``[B, nk]`` int32 each."""
+  nq, nk = q_ranges[0].shape[1], kv_ranges[0].shape[1]
+  lo = hi = None
+  if band is not None:
+    lo, hi = BlockGrid(band, block_q, block_kv).q_block_ranges()
+  reach = _in_range(lo, hi, nk, nq)
+  meet = jnp.swapaxes(_meet_matrix(q_ranges, kv_ranges), 1, 2)
+  return _first_last(meet & reach[None])
+
+
+def narrow(bounds, lo, hi):
+  """Nondecreasing loop boundaries ``b0 <= b1 <= ... <= bn`` (consecutive runs
+  ``[b_k, b_k+1)``) clipped to ``[lo, hi)``: each run becomes its intersection
+  with the range, and the boundaries stay nondecreasing."""
+  return tuple(jnp.clip(b, lo, jnp.maximum(lo, hi)) for b in bounds)

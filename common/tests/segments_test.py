@@ -1,0 +1,134 @@
+"""Segment-id block ranges (common/segments.py) against the dense mask: every block
+holding an allowed pair is in its visible range and meets; the ranges' ends are
+blocks that meet and that the band reaches; all of it under jit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from flashjax.common import segments
+from flashjax.common.mask import Band, band_allowed
+
+
+def documents(rng, batch, seq, max_doc, order):
+  """``[B, seq]`` ids of documents of 1..max_doc tokens: in order, shuffled, or
+  random ids per token."""
+  out = np.zeros((batch, seq), np.int32)
+  for b in range(batch):
+    if order == "random":
+      out[b] = rng.integers(0, 5, seq)
+      continue
+    lengths = []
+    while sum(lengths) < seq:
+      lengths.append(int(rng.integers(1, max_doc + 1)))
+    ids = np.repeat(np.arange(len(lengths)), lengths)[:seq]
+    if order == "shuffled":
+      ids = rng.permutation(len(lengths))[ids]
+    out[b] = ids
+  return out
+
+
+BANDS = [dict(), dict(right=0), dict(left=24, right=0), dict(left=10, right=30)]
+
+
+@st.composite
+def problems(draw):
+  sq = draw(st.integers(1, 160))
+  same = draw(st.booleans())
+  sk = sq if same else draw(st.integers(1, 160))
+  return dict(batch=draw(st.integers(1, 2)), seq_q=sq, seq_k=sk,
+              block_q=draw(st.sampled_from([8, 16, 32])),
+              block_kv=draw(st.sampled_from([8, 16, 32])),
+              band=draw(st.sampled_from(range(len(BANDS)))),
+              order=draw(st.sampled_from(["sorted", "shuffled", "random"])),
+              max_doc=draw(st.sampled_from([3, 20, 70])),
+              shared=same and draw(st.booleans()),
+              seed=draw(st.integers(0, 2**16)))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _tables(q_ids, kv_ids, band, bq, bk, nq, nk):
+  qr = segments.block_id_ranges(q_ids, bq, nq)
+  kr = segments.block_id_ranges(kv_ids, bk, nk)
+  return (qr, kr, segments.visible_kv_blocks(qr, kr, band, bq, bk),
+          segments.visible_q_blocks(qr, kr, band, bq, bk))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(p=problems())
+def test_visible_ranges_cover_the_dense_segment_mask(p):
+  rng = np.random.default_rng(p["seed"])
+  b, sq, sk, bq, bk = p["batch"], p["seq_q"], p["seq_k"], p["block_q"], p["block_kv"]
+  band = Band(seq_q=sq, seq_k=sk, **BANDS[p["band"]])
+  q_ids = documents(rng, b, sq, p["max_doc"], p["order"])
+  kv_ids = q_ids if p["shared"] else documents(rng, b, sk, p["max_doc"], p["order"])
+  # One padding block beyond the ids on each side, as the kernels' tables have.
+  nq, nk = -(-sq // bq) + 1, -(-sk // bk) + 1
+  (qmin, qmax), (kmin, kmax), (lo, hi), (lo_t, hi_t) = jax.tree.map(
+      np.asarray, _tables(q_ids, kv_ids, band, bq, bk, nq, nk))
+  band_dense = np.ones((sq, sk), bool)
+  if not band.is_full:
+    band_dense = band_allowed(np.arange(sq)[:, None], np.arange(sk)[None, :], band)
+  dense = band_dense & (q_ids[:, :, None] == kv_ids[:, None, :])
+  meet = ((qmin[:, :, None] <= kmax[:, None, :]) &
+          (kmin[:, None, :] <= qmax[:, :, None]))
+  for x in range(b):
+    for i in range(nq):
+      rows = q_ids[x, i * bq:(i + 1) * bq]
+      if rows.size:
+        assert (qmin[x, i], qmax[x, i]) == (rows.min(), rows.max())
+      assert 0 <= lo[x, i] <= hi[x, i] <= nk
+      for j in range(nk):
+        blk = dense[x, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        if blk.any():
+          assert meet[x, i, j] and lo[x, i] <= j < hi[x, i], (x, i, j)
+          assert lo_t[x, j] <= i < hi_t[x, j], (x, i, j)
+      if hi[x, i] > lo[x, i]:  # tight: both ends meet and are in the band's reach
+        for j in (lo[x, i], hi[x, i] - 1):
+          assert meet[x, i, j]
+          assert band_dense[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
+    for j in range(nk):
+      assert 0 <= lo_t[x, j] <= hi_t[x, j] <= nq
+      if hi_t[x, j] > lo_t[x, j]:
+        for i in (lo_t[x, j], hi_t[x, j] - 1):
+          assert meet[x, i, j]
+          assert band_dense[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
+  if p["order"] == "sorted" and p["shared"]:
+    # Sorted shared ids: blocks meet iff they share an id, so every block of the
+    # range meets (no per-block predicate is needed).
+    for x in range(b):
+      for i in range(nq):
+        assert meet[x, i, lo[x, i]:hi[x, i]].all()
+
+
+def test_packed_documents_skip_the_blocks_between_them():
+  """8 documents of 64 tokens in 16-token blocks, causal: each q block reaches
+  its own document's blocks up to the diagonal, not the band's whole prefix."""
+  ids = np.repeat(np.arange(8), 64)[None]
+  band = Band(seq_q=512, seq_k=512, right=0)
+  r = segments.block_id_ranges(jnp.asarray(ids), 16)
+  lo, hi = segments.visible_kv_blocks(r, r, band, 16, 16)
+  i = np.arange(32)
+  np.testing.assert_array_equal(lo[0], i // 4 * 4)
+  np.testing.assert_array_equal(hi[0], i + 1)
+  lo_t, hi_t = segments.visible_q_blocks(r, r, band, 16, 16)
+  np.testing.assert_array_equal(lo_t[0], i)
+  np.testing.assert_array_equal(hi_t[0], i // 4 * 4 + 4)
+  work = int((hi - lo).sum())
+  assert work == 8 * (4 * 5 // 2)  # 80 of the band's 528 blocks
+
+
+def test_narrow_clips_runs_to_the_range():
+  bounds = (np.int32(2), np.int32(3), np.int32(7), np.int32(9))
+  assert [int(x) for x in segments.narrow(bounds, 4, 8)] == [4, 4, 7, 8]
+  assert [int(x) for x in segments.narrow(bounds, 0, 0)] == [0, 0, 0, 0]
+
+
+def test_num_blocks_must_cover_the_ids():
+  with pytest.raises(ValueError, match="num_blocks"):
+    segments.block_id_ranges(jnp.zeros((1, 40), jnp.int32), 16, 2)
