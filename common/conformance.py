@@ -31,6 +31,7 @@ import pytest
 from hypothesis import given, settings, HealthCheck, strategies as st
 
 from . import reference, tolerances
+from .conformance_jvp import JvpChecks
 from .spec import FEATURES
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
@@ -201,7 +202,7 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
                for r in results)
 
 
-class ConformanceSuite:
+class ConformanceSuite(JvpChecks):
   """Base class; subclasses set ``CAPS`` and implement ``attention``."""
 
   CAPS: Capabilities
