@@ -242,3 +242,20 @@ def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
   got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
   assert set(got) == {(8, 4), (4, 8)}
   assert all(0 < mn <= med for mn, med in got.values())
+
+
+def test_cli_times_forward_mode_against_the_forward(tmp_path, capsys, monkeypatch):
+  from flashjax.common import shapes
+  monkeypatch.setitem(shapes.SHAPE_SETS, "small", (SMALL,))
+  rc = cli.main(["--shapes", "small", "--impls", "xla", "--directions",
+                 "fwd,jvp",
+                 "--iters", "1", "--repeats", "1", "--no-plot", "--out",
+                 str(tmp_path)])
+  assert rc == 0
+  out = capsys.readouterr().out
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  jvp = [r for r in rows if r["direction"] == "jvp"]
+  assert [r["impl"] for r in jvp] == ["xla"]
+  assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in jvp)
+  assert "xla t: jvp / fwd = " in out
