@@ -48,11 +48,15 @@ _LINEAR_CALL_BATCHING = []
 def _register_linear_call_batching():
   if _LINEAR_CALL_BATCHING:
     return
-  from jax._src.custom_derivatives import linear_call_p
-  from jax.interpreters import batching
-  if linear_call_p not in batching.fancy_primitive_batchers:
-    batching.fancy_primitive_batchers[linear_call_p] = _batch_linear_call
   _LINEAR_CALL_BATCHING.append(True)
+  try:
+    from jax._src.custom_derivatives import linear_call_p
+    from jax.interpreters import batching
+    batchers = batching.fancy_primitive_batchers
+  except (ImportError, AttributeError):
+    return  # a JAX without these internals: vmap then fails in JAX's own words
+  if linear_call_p not in batchers:
+    batchers[linear_call_p] = _batch_linear_call
 
 
 def _batch_linear_call(axis_data, args, dims, *, callee, transpose_thunk,

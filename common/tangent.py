@@ -14,27 +14,46 @@ use the lse the same way):
 Rows that attend to nothing have lse ``-inf``: :func:`epilogue.safe_lse` turns it
 into ``+inf`` so ``p`` is exactly 0 there, and both tangents are 0.
 
-The loop runs over query blocks (``lax.map``) and, inside, key blocks
-(``lax.scan``), so memory is ``O(block_q * block_kv)`` per batch and head on top
-of the inputs. Every platform uses this one tangent for ``jax.jvp``; it evaluates
-all key blocks of each query block (masked entries contribute exact zeros), so
-causal and windowed calls do the full rectangle of work.
+The loop runs over query blocks (``lax.map``) and, inside, over the key blocks
+that the band lets them reach (``Band.kv_bounds``; a ``fori_loop``), so memory is
+``O(block_q * block_kv)`` per batch and head on top of the inputs. Every platform
+uses this one tangent for ``jax.jvp``; segment ids and dense masks do not skip
+blocks (their entries contribute exact zeros).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import dropout as dropout_lib
 from . import epilogue
 from .mask import band_allowed
 from .spec import AttentionSpec, Operands
 
-# Block sizes of the loop: 128 x 128 fp32 score tiles per batch and head keep
-# the working set of one step small next to the inputs.
-BLOCK_Q = 128
-BLOCK_KV = 128
+# Key block of the loop. The query block is as tall as fits TILE_ELEMENTS score
+# entries over all batches and heads (64 MiB per fp32 temporary), at least
+# MIN_BLOCK_Q: few, large XLA steps (a step per small tile would be launch-bound on
+# a GPU), with memory still linear in the sequence length.
+BLOCK_KV = 256
+MIN_BLOCK_Q = 128
+TILE_ELEMENTS = 2**24
+
+
+def default_block_q(spec: AttentionSpec, block_kv: int = BLOCK_KV) -> int:
+  rows = TILE_ELEMENTS // (spec.batch * spec.heads_q * min(block_kv, spec.seq_k))
+  return max(MIN_BLOCK_Q, rows)
+
+
+def kv_block_ranges(spec: AttentionSpec, block_q: int, block_kv: int) -> np.ndarray:
+  """``int32 [num_q_blocks, 2]``: the half-open range of key blocks that each query
+  block's rows can reach through the band (``lo == hi`` where none)."""
+  out = []
+  for q_lo in range(0, spec.seq_q, block_q):
+    lo, hi = spec.band.kv_bounds(q_lo, min(q_lo + block_q, spec.seq_q))
+    out.append((lo // block_kv, -(-hi // block_kv)) if lo < hi else (0, 0))
+  return np.asarray(out, np.int32)
 
 
 def _rows(x, heads_kv: int):
@@ -71,7 +90,7 @@ def _tile(x, i0, j0, bq, bk):
 
 
 def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, out,
-                      lse, *, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV):
+                      lse, *, block_q: int | None = None, block_kv: int = BLOCK_KV):
   """Tangents ``(dout [B, Sq, Hq, Dv], dlse [B, Hq, Sq])`` of the attention.
 
   Args:
@@ -82,7 +101,8 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
     spec: the call's spec.
     out, lse: the primal output ``[B, Sq, Hq, Dv]`` and lse ``[B, Hq, Sq]`` (the
       whole denominator, sinks included).
-    block_q, block_kv: the loop's block sizes.
+    block_q, block_kv: the loop's block sizes (``block_q`` by default from
+      :func:`default_block_q`).
 
   Returns:
     ``dout`` in ``out``'s dtype and ``dlse`` in ``lse``'s dtype; linear in
@@ -97,7 +117,9 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
   # forward kernels do.
   prec = (jax.lax.Precision.HIGHEST if cdt.itemsize >= 4
           else jax.lax.Precision.DEFAULT)
-  bq, bk = min(block_q, sq), min(block_kv, sk)
+  bk = min(block_kv, sk)
+  bq = min(block_q or default_block_q(spec, block_kv), sq)
+  ranges = jnp.asarray(kv_block_ranges(spec, bq, bk))
   nq, nk = -(-sq // bq), -(-sk // bk)
   sqp, skp = nq * bq, nk * bk
 
@@ -146,11 +168,12 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
     i = i0 + jnp.arange(bq, dtype=jnp.int32)
     q_b = jax.lax.dynamic_slice_in_dim(q, i0, bq, 3)
     lse_b = jax.lax.dynamic_slice_in_dim(lse_rows, i0, bq, 3)
+    dq_b = None if dq is None else jax.lax.dynamic_slice_in_dim(dq, i0, bq, 3)
     if spec.dropout_rate > 0:
       row_key = dropout_lib.row_key(seed, b_idx, h_idx,
                                     i.astype(jnp.uint32)[:, None])
 
-    def kv_step(carry, kj):
+    def kv_step(kj, carry):
       a, dl = carry
       j0 = kj * bk
       j = j0 + jnp.arange(bk, dtype=jnp.int32)
@@ -158,8 +181,7 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
       v_b = jax.lax.dynamic_slice_in_dim(v, j0, bk, 2)
       z = mm("bhgqd,bhkd->bhgqk", q_b, k_b) * spec.softmax_scale
       dz = jnp.zeros_like(z)
-      if dq is not None:
-        dq_b = jax.lax.dynamic_slice_in_dim(dq, i0, bq, 3)
+      if dq_b is not None:
         dz = dz + mm("bhgqd,bhkd->bhgqk", dq_b, k_b)
       if dk is not None:
         dk_b = jax.lax.dynamic_slice_in_dim(dk, j0, bk, 2)
@@ -192,12 +214,11 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
       if dv is not None:
         dv_b = jax.lax.dynamic_slice_in_dim(dv, j0, bk, 2)
         a = a + mm("bhgqk,bhkd->bhgqd", p.astype(cdt), dv_b)
-      return (a, dl), None
+      return a, dl
 
     init = (jnp.zeros((b, hkv, g, bq, spec.head_dim_v), acc),
             jnp.zeros((b, hkv, g, bq), acc))
-    (a, dl), _ = jax.lax.scan(kv_step, init, jnp.arange(nk))
-    return a, dl
+    return jax.lax.fori_loop(ranges[qi, 0], ranges[qi, 1], kv_step, init)
 
   a, dl = jax.lax.map(q_block, jnp.arange(nq))
   # [nq, B, Hkv, G, bq, X] -> [B, Sq, Hq, X]

@@ -161,3 +161,26 @@ def test_jvp_check_fails_a_wrong_tangent():
   tolerances.assert_close(got["out"], ref["out"], tolerances.forward("float32"))
   with pytest.raises(AssertionError):
     tolerances.assert_close(got["t_out"], ref["t_out"], TOL)
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(16, 8), (7, 5)])
+def test_tangent_over_many_blocks_with_band_skipping(block_q, block_kv):
+  from flashjax.common import tangent
+  kwargs = dict(causal=True, sliding_window=(9, 0), logits_soft_cap=2.0,
+                return_lse=True)
+  keys = jax.random.split(jax.random.key(5), 6)
+  shapes = [(2, 53, 4, 8), (2, 29, 2, 8), (2, 29, 2, 8)] * 2  # rows 0-23 see nothing
+  q, k, v, tq, tk, tv = (jax.random.normal(x, s) for x, s in zip(keys, shapes))
+  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+  ranges = tangent.kv_block_ranges(spec, block_q, block_kv)
+  n_kv = -(-29 // block_kv)
+  assert (ranges[:, 1] - ranges[:, 0]).max() < n_kv  # blocks are skipped
+  assert (ranges[:, 0] == ranges[:, 1]).any()  # rows that see nothing
+  out, lse = reference.attention_from_operands(ops, spec)
+  got = jax.jit(functools.partial(tangent.attention_tangent, spec=spec,
+                                  block_q=block_q, block_kv=block_kv))(
+      ops, spec_lib.Operands(q=tq, k=tk, v=tv), out=out, lse=lse)
+  want = jax.jvp(lambda q, k, v: reference.attention(q, k, v, **kwargs), (q, k, v),
+                 (tq, tk, tv))[1]
+  for g, w, name in zip(got, want, ("t_out", "t_lse")):
+    tolerances.assert_close(g, w, TOL, name=name)
