@@ -15,7 +15,8 @@ through a transposed tangent. Residuals are the operands, the output and the lse
 save or recompute them.
 
 Second-order derivatives (a derivative of anything computed inside the rule) raise
-one ``NotImplementedError`` that says what is supported.
+one :class:`SecondOrderError` (a ``NotImplementedError``) that says what is
+supported.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ OUT_NAME = "flashjax_out"
 LSE_NAME = "flashjax_lse"
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
 
+class SecondOrderError(NotImplementedError):
+  """A derivative of a derivative of flashjax attention was asked for."""
+
+
 SECOND_ORDER_ERROR = (
     "flashjax attention is differentiable to first order only: jax.grad, jax.vjp, "
     "jax.jacrev (the platform's backward kernels) and jax.jvp, jax.linearize, "
     "jax.jacfwd (the blockwise tangent). Second-order derivatives (jax.grad of a "
     "gradient, jax.hessian, Hessian-vector products as jvp of grad or grad of jvp, "
-    "jvp of jvp) are not supported; differentiate flashjax.reference.attention "
-    "(dense, O(S^2) memory) for those.")
+    "jvp of jvp) are not supported; differentiate "
+    "flashjax.common.reference.attention (dense, O(S^2) memory) for those.")
 
 
 def _first_order_only(fn):
@@ -57,7 +62,7 @@ def _first_order_only(fn):
   @call.defjvp
   def _jvp(static, primals, tangents):
     del static, primals, tangents
-    raise NotImplementedError(SECOND_ORDER_ERROR)
+    raise SecondOrderError(SECOND_ORDER_ERROR)
 
   return call
 
