@@ -35,6 +35,7 @@ OUT_NAME = "flashjax_out"
 LSE_NAME = "flashjax_lse"
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
 
+
 class SecondOrderError(NotImplementedError):
   """A derivative of a derivative of flashjax attention was asked for."""
 
@@ -82,6 +83,7 @@ def _run_backward(static, ops, out, lse, do, dlse):
 
 
 _forward_once = _first_order_only(_run_forward)
+_backward_once = _first_order_only(_run_backward)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -106,9 +108,8 @@ def _jvp(static, primals, tangents):
 
   def tangent(res, lin):
     ops, out, lse = res
-    tangents = Operands(*(None,) * len(Operands._fields))._replace(
-        **dict(zip(DIFFERENTIABLE, lin)))
-    return attention_tangent(ops, tangents, spec, out, lse)
+    return attention_tangent(ops, Operands(**dict(zip(DIFFERENTIABLE, lin))), spec,
+                             out, lse)
 
   def transpose(res, cotangents):
     ops, out, lse = res
@@ -122,7 +123,6 @@ def _jvp(static, primals, tangents):
 
 
 _attention.defjvp(_jvp, symbolic_zeros=True)
-_backward_once = _first_order_only(_run_backward)
 
 
 def attention(forward, backward, ops: Operands, spec: AttentionSpec, config, *,
