@@ -29,26 +29,32 @@ def mgpu_load(ref, layout):
 
 
 def linear_call(fun, fun_transpose, residual_args, linear_args):
-  """``jax.custom_derivatives.linear_call``, batchable under ``vmap``.
+  """``jax.custom_derivatives.linear_call``, batchable under ``vmap`` and able to
+  carry effects.
 
   JAX 0.10 registers no batching rule for the ``linear_call`` primitive, so
   ``vmap`` of ``grad`` or of ``jvp`` through it would fail. The rule added here
   (only where JAX has none) vmaps both functions: residuals keep their batch dims,
   linear arguments are broadcast to the batch so the transpose's outputs match
   them, and every output is batched along axis 0.
+
+  Its abstract evaluation also declares no effects, so a transpose whose function
+  has some (the ordered io_callbacks of Pallas TPU interpret mode) fails to lower
+  for want of their tokens; the abstract evaluation set here passes on the
+  called function's effects.
   """
   from jax.custom_derivatives import linear_call as jax_linear_call
-  _register_linear_call_batching()
+  _register_linear_call_rules()
   return jax_linear_call(fun, fun_transpose, residual_args, linear_args)
 
 
-_LINEAR_CALL_BATCHING = []
+_LINEAR_CALL_RULES = []
 
 
-def _register_linear_call_batching():
-  if _LINEAR_CALL_BATCHING:
+def _register_linear_call_rules():
+  if _LINEAR_CALL_RULES:
     return
-  _LINEAR_CALL_BATCHING.append(True)
+  _LINEAR_CALL_RULES.append(True)
   try:
     from jax._src.custom_derivatives import linear_call_p
     from jax.interpreters import batching
@@ -57,6 +63,8 @@ def _register_linear_call_batching():
     return  # a JAX without these internals: vmap then fails in JAX's own words
   if linear_call_p not in batchers:
     batchers[linear_call_p] = _batch_linear_call
+  linear_call_p.def_effectful_abstract_eval(
+      lambda *args, callee, **params: (callee.out_avals, callee.effects))
 
 
 def _batch_linear_call(axis_data, args, dims, *, callee, transpose_thunk,
