@@ -1,11 +1,13 @@
 """``python -m flashjax.benchmarks``: every implementation side by side.
 
-Runs forward, backward (time of forward+backward minus forward) and
-forward+backward of the chosen implementations, one process, one device, on named
-shape sets from ``flashjax.common.shapes``; checks each implementation against the
-reference on a small slice first (a wrong one is flagged, not ranked); prints a
-table and writes CSV, Markdown and PNG plots to ``--out`` (default a new folder
-under ``./flashjax-bench/`` in the current directory, never inside the package).
+Runs forward, backward (time of forward+backward minus forward),
+forward+backward and, on request, forward mode (``--directions jvp``: ``jax.jvp``,
+primal and tangent) of the chosen implementations, one process, one device, on
+named shape sets from ``flashjax.common.shapes``; checks each implementation
+against the reference on a small slice first (a wrong one is flagged, not
+ranked); prints a table and writes CSV, Markdown and PNG plots to ``--out``
+(default a new folder under ``./flashjax-bench/`` in the current directory, never
+inside the package).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def _parser():
                  "GPU, cpu on CPU")
   p.add_argument("--impls", help="comma-separated implementations "
                  f"({', '.join(impls.IMPLS)}); default: all for this backend")
-  p.add_argument("--directions", default="fwd,bwd,fwd_bwd")
+  p.add_argument("--directions", default="fwd,bwd,fwd_bwd",
+                 help="comma-separated, of fwd, bwd, fwd_bwd and jvp (jax.jvp in "
+                 "q, k, v: the forward and its tangent)")
   p.add_argument("--dtype", help="default bfloat16 on GPU/TPU, float32 on CPU")
   p.add_argument("--baseline", help="default jax-cudnn on GPU, jax-xla elsewhere")
   p.add_argument("--iters", type=int, help="calls per timing sample")
@@ -157,6 +161,8 @@ def main(argv=None):
     sweep = memory_sweep([int(x) for x in args.memory_sweep.split(",")], dtype)
 
   print(report.table(rows, baseline))
+  if "jvp" in directions and "fwd" in directions:
+    print("\nForward mode against the forward alone:\n" + report.jvp_vs_forward(rows))
   for n, reason in skipped.items():
     print(f"not run: {n}: {reason}")
   if sweep:

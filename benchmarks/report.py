@@ -61,6 +61,17 @@ def table(rows: list[Row], baseline: str) -> str:
   return "\n".join([line(head), sep] + [line(b) for b in body])
 
 
+def jvp_vs_forward(rows: list[Row]) -> str:
+  """Lines ``impl shape: jvp / fwd = x`` for every (impl, shape) timed in both
+  directions: what forward mode costs next to the forward alone."""
+  fwd = {(r.impl, r.shape): r.ms for r in rows
+         if r.direction == "fwd" and r.status == "ok" and r.ms}
+  return "\n".join(
+      f"{r.impl} {r.shape}: jvp / fwd = {r.ms / fwd[(r.impl, r.shape)]:.2f}"
+      for r in rows if r.direction == "jvp" and r.status == "ok" and r.ms
+      and (r.impl, r.shape) in fwd)
+
+
 def memory_table(sweep: list[dict]) -> str:
   if not sweep:
     return ""

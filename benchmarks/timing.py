@@ -14,7 +14,9 @@ from flashjax.common.shapes import Shape
 
 from . import packed
 
-DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+# "jvp" times the whole jax.jvp call (the primal forward and its tangent), to set
+# against "fwd".
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd", "jvp")
 
 
 @dataclasses.dataclass
@@ -60,6 +62,13 @@ def functions(fn, causal: bool):
 
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return fwd, fwd_bwd
+
+
+def jvp_function(fn, causal: bool):
+  """Jitted ``jax.jvp`` of ``fn`` in q, k and v: ``(q, k, v, tq, tk, tv) ->
+  (out, tangent of out)``."""
+  return jax.jit(lambda q, k, v, tq, tk, tv: jax.jvp(
+      lambda q, k, v: fn(q, k, v, causal), (q, k, v), (tq, tk, tv)))
 
 
 def compiled_mib(f, args) -> float | None:
@@ -117,7 +126,9 @@ def shape_flops(shape: Shape, direction: str) -> int:
   fwd = flops.forward_flops(batch=shape.batch, heads_q=shape.heads_q,
                             head_dim=shape.head_dim, head_dim_v=shape.head_dim_v,
                             band=band)
-  return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[direction])
+  # jvp: the primal forward (two matmuls) and the tangent's five (q k^T,
+  # dq k^T, q dk^T, then (p ds) v and p dv), counted on the same band.
+  return int(fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5, "jvp": 3.5}[direction])
 
 
 def run_row(name, fn, shape: Shape, dtype, directions, *, iters, repeats):
@@ -135,6 +146,7 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   (``timer.time_interleaved_ms``), then their forward+backwards, so their ratios
   come from the same stretch of time; ``bwd`` is forward+backward minus forward."""
   q, k, v, do = random_inputs(shape, dtype)
+  tangents = random_inputs(shape, dtype, seed=2)[:3] if "jvp" in directions else ()
   status, compiled, calls = {}, {}, {}
   if shape.documents:  # packed row: packed, batched and varlen variants
     builders, small = packed.variants(fns), packed.check_shape(shape)
@@ -156,9 +168,12 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
       calls[(name, "fwd")] = (fwd, (q, k, v))
     if {"bwd", "fwd_bwd"} & set(directions):
       calls[(name, "fwd_bwd")] = (fwd_bwd, (q, k, v, do))
-  # Forwards are interleaved with forwards and backwards with backwards.
+    if "jvp" in directions:
+      calls[(name, "jvp")] = (jvp_function(fn, shape.causal), (q, k, v, *tangents))
+  # Forwards are interleaved with forwards, backwards with backwards, jvps with
+  # jvps.
   times = {}
-  for direction in ("fwd", "fwd_bwd"):
+  for direction in ("fwd", "fwd_bwd", "jvp"):
     group = {key: c for key, c in calls.items() if key[1] == direction}
     if group:
       times.update(time_interleaved_ms(group, iters=iters, repeats=repeats))
@@ -166,7 +181,9 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   for name in fns:
     base = dict(impl=name, shape=shape.name, seq=shape.seq_q, causal=shape.causal)
     mine = {d: t for (n, d), t in times.items() if n == name}
-    failed = next((t for t in mine.values() if isinstance(t, Exception)), None)
+    # A peer without forward mode (a custom_vjp) fails its jvp row alone.
+    failed = next((t for d, t in mine.items()
+                   if d != "jvp" and isinstance(t, Exception)), None)
     if status[name] != "ok" or failed is not None:
       msg = status[name] if status[name] != "ok" else _error(failed)
       rows.extend(Row(**base, direction=d, status=msg) for d in directions)
@@ -177,9 +194,16 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     mem = {"fwd": compiled_mib(fwd, (q, k, v)),
            "fwd_bwd": compiled_mib(fwd_bwd, (q, k, v, do))}
     mem["bwd"] = mem["fwd_bwd"]
+    if "jvp" in directions:
+      jvp_args = (q, k, v, *tangents)
+      mem["jvp"] = (None if isinstance(mine["jvp"], Exception) else
+                    compiled_mib(calls[(name, "jvp")][0], jvp_args))
     peak = allocator_peak_mib()
     for d in directions:
       ms = mine[d]
+      if isinstance(ms, Exception):
+        rows.append(Row(**base, direction=d, status=_error(ms)))
+        continue
       kv_bytes = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize
       rows.append(Row(**base, direction=d, ms=ms,
                       tflops=shape_flops(shape, d) / (ms * 1e-3) / 1e12 if ms > 0 else None,

@@ -51,3 +51,71 @@ def vary_like(x, *refs):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axes, to="varying")
   return jax.lax.pvary(x, axes)
+
+
+def linear_call(fun, fun_transpose, residual_args, linear_args):
+  """``jax.custom_derivatives.linear_call``, batchable under ``vmap`` and able to
+  carry effects.
+
+  JAX 0.10 registers no batching rule for the ``linear_call`` primitive, so
+  ``vmap`` of ``grad`` or of ``jvp`` through it would fail. The rule added here
+  (only where JAX has none) vmaps both functions: residuals keep their batch dims,
+  linear arguments are broadcast to the batch so the transpose's outputs match
+  them, and every output is batched along axis 0.
+
+  Its abstract evaluation also declares no effects, so a transpose whose function
+  has some (the ordered io_callbacks of Pallas TPU interpret mode) fails to lower
+  for want of their tokens; the abstract evaluation set here passes on the
+  called function's effects.
+  """
+  from jax.custom_derivatives import linear_call as jax_linear_call
+  _register_linear_call_rules()
+  return jax_linear_call(fun, fun_transpose, residual_args, linear_args)
+
+
+_LINEAR_CALL_RULES = []
+
+
+def _register_linear_call_rules():
+  if _LINEAR_CALL_RULES:
+    return
+  _LINEAR_CALL_RULES.append(True)
+  try:
+    from jax._src.custom_derivatives import linear_call_p
+    from jax.interpreters import batching
+    batchers = batching.fancy_primitive_batchers
+  except (ImportError, AttributeError):
+    return  # a JAX without these internals: vmap then fails in JAX's own words
+  if linear_call_p not in batchers:
+    batchers[linear_call_p] = _batch_linear_call
+  linear_call_p.def_effectful_abstract_eval(
+      lambda *args, callee, **params: (callee.out_avals, callee.effects))
+
+
+def _batch_linear_call(axis_data, args, dims, *, callee, transpose_thunk,
+                       num_callee_consts, num_res):
+  import jax
+  import jax.numpy as jnp
+  from jax.custom_derivatives import linear_call as jax_linear_call
+  from jax.extend.core import jaxpr_as_fun
+
+  size = axis_data.size
+  n_res = num_callee_consts + num_res  # the callee's constants, then residuals
+  res, lin = list(args[:n_res]), list(args[n_res:])
+  res_axes = tuple(dims[:n_res])  # None: not batched
+  lin = [jnp.broadcast_to(x, (size,) + x.shape) if d is None
+         else jnp.moveaxis(x, d, 0) for x, d in zip(lin, dims[n_res:])]
+
+  def fun(res, lin):
+    return jax.vmap(jaxpr_as_fun(callee), in_axes=res_axes + (0,) * len(lin))(
+        *res, *lin)
+
+  def fun_transpose(res, cts):
+    # The transpose takes the residuals without the callee's constants.
+    t_jaxpr, t_consts = transpose_thunk()
+    call = lambda *a: jaxpr_as_fun(t_jaxpr)(*t_consts, *a)
+    return list(jax.vmap(call, in_axes=res_axes[num_callee_consts:] + (0,) * len(cts))(
+        *res[num_callee_consts:], *cts))
+
+  outs = jax_linear_call(fun, fun_transpose, res, lin)
+  return outs, [0] * len(outs)

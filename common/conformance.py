@@ -34,6 +34,7 @@ from . import reference, tolerances
 from .conformance_x64 import X64Cases
 from .conformance_packed import KINDS as PACKED_KINDS, PackedSegmentCases
 from .conformance_packed import segment_ids as packed_segment_ids
+from .conformance_jvp import JvpChecks
 from .spec import FEATURES
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
@@ -208,7 +209,7 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
                for r in results)
 
 
-class ConformanceSuite(X64Cases, PackedSegmentCases):
+class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   """Base class; subclasses set ``CAPS`` and implement ``attention``."""
 
   CAPS: Capabilities

@@ -1,11 +1,22 @@
-"""One ``custom_vjp`` wrapper for every platform.
+"""One differentiation wrapper for every platform: reverse mode by the platform's
+backward, forward mode by the common blockwise tangent.
 
 A platform supplies ``forward(ops, spec, config) -> (out, lse)`` and
 ``backward(ops, spec, config, out, lse, do, dlse) -> Operands`` of cotangents
 (None where an operand is not differentiable or absent). The static half (spec and
-config) travels as one hashable ``nondiff`` argument. Residuals are the operands,
-the output and the lse (O(S) memory); they carry checkpoint names so that
-``jax.checkpoint`` policies can save or recompute them.
+config) travels as one hashable ``nondiff`` argument.
+
+The function is a ``jax.custom_jvp``. Its tangent is a ``linear_call`` of the
+forward-mode tangent (``common/tangent.py``) whose declared transpose is the
+platform's backward, so ``jax.jvp`` / ``jax.jacfwd`` run the tangent and
+``jax.grad`` / ``jax.vjp`` transpose straight to the backward kernels, never
+through a transposed tangent. Residuals are the operands, the output and the lse
+(O(S) memory); they carry checkpoint names so that ``jax.checkpoint`` policies can
+save or recompute them.
+
+Second-order derivatives (a derivative of anything computed inside the rule) raise
+one :class:`SecondOrderError` (a ``NotImplementedError``) that says what is
+supported.
 """
 
 from __future__ import annotations
@@ -14,17 +25,47 @@ import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
-from . import partition
+from . import compat, partition
 from .spec import AttentionSpec, Operands
+from .tangent import attention_tangent
 
 OUT_NAME = "flashjax_out"
 LSE_NAME = "flashjax_lse"
+DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, ops: Operands):
-  return _run_forward(static, ops)
+class SecondOrderError(NotImplementedError):
+  """A derivative of a derivative of flashjax attention was asked for."""
+
+
+SECOND_ORDER_ERROR = (
+    "flashjax attention is differentiable to first order only: jax.grad, jax.vjp, "
+    "jax.jacrev (the platform's backward kernels) and jax.jvp, jax.linearize, "
+    "jax.jacfwd (the blockwise tangent). Second-order derivatives (jax.grad of a "
+    "gradient, jax.hessian, Hessian-vector products as jvp of grad or grad of jvp, "
+    "jvp of jvp) are not supported; differentiate "
+    "flashjax.common.reference.attention (dense, O(S^2) memory) for those.")
+
+
+def _first_order_only(fn):
+  """``fn(static, *args)`` whose differentiation raises the second-order error.
+
+  Everything inside the jvp rule runs on primal values: a transformation that
+  differentiates it is a derivative of a derivative.
+  """
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+  def call(static, *args):
+    return fn(static, *args)
+
+  @call.defjvp
+  def _jvp(static, primals, tangents):
+    del static, primals, tangents
+    raise SecondOrderError(SECOND_ORDER_ERROR)
+
+  return call
 
 
 def _run_forward(static, ops):
@@ -34,32 +75,59 @@ def _run_forward(static, ops):
   return forward(ops, spec, config)
 
 
-def _fwd(static, ops):
-  out, lse = _run_forward(static, ops)
+def _run_backward(static, ops, out, lse, do, dlse):
+  _, backward, spec, config, per_shard = static
+  if per_shard:
+    return partition.backward(backward, ops, spec, config, out, lse, do, dlse)
+  return backward(ops, spec, config, out, lse, do, dlse)
+
+
+_forward_once = _first_order_only(_run_forward)
+_backward_once = _first_order_only(_run_backward)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attention(static, ops: Operands):
+  return _run_forward(static, ops)
+
+
+def _linear(t_ops: Operands) -> tuple:
+  """The tangents of q, k, v, bias and sinks; None for absent operands and for
+  symbolic zeros, so that transposition sees only the tangents in play."""
+  return tuple(None if isinstance(t, SymbolicZero) else t
+               for t in (getattr(t_ops, n) for n in DIFFERENTIABLE))
+
+
+def _jvp(static, primals, tangents):
+  (ops,), (t_ops,) = primals, tangents
+  out, lse = _forward_once(static, ops)
   out = checkpoint_name(out, OUT_NAME)
   lse = checkpoint_name(lse, LSE_NAME)
-  return (out, lse), (ops, out, lse)
+  spec = static[2]
+  lin = _linear(t_ops)
+
+  def tangent(res, lin):
+    ops, out, lse = res
+    return attention_tangent(ops, Operands(**dict(zip(DIFFERENTIABLE, lin))), spec,
+                             out, lse)
+
+  def transpose(res, cotangents):
+    ops, out, lse = res
+    do, dlse = cotangents
+    grads = _backward_once(static, ops, out, lse, do, dlse)
+    return tuple(None if t is None else getattr(grads, n)
+                 for n, t in zip(DIFFERENTIABLE, lin))
+
+  t_out, t_lse = compat.linear_call(tangent, transpose, (ops, out, lse), lin)
+  return (out, lse), (t_out, t_lse)
 
 
-def _bwd(static, res, cotangents):
-  _, backward, spec, config, per_shard = static
-  ops, out, lse = res
-  do, dlse = cotangents
-  if per_shard:
-    grads = partition.backward(backward, ops, spec, config, out, lse, do, dlse)
-  else:
-    grads = backward(ops, spec, config, out, lse, do, dlse)
-  keep = {"q", "k", "v", "bias", "sinks"}
-  return (Operands(*(g if name in keep else None
-                     for name, g in zip(Operands._fields, grads))),)
-
-
-_attention.defvjp(_fwd, _bwd)
+_attention.defjvp(_jvp, symbolic_zeros=True)
 
 
 def attention(forward, backward, ops: Operands, spec: AttentionSpec, config, *,
               per_shard: bool = False):
-  """``(out, lse)`` with the platform's forward, differentiated by its backward.
+  """``(out, lse)`` with the platform's forward, differentiable in both modes.
 
   ``forward`` and ``backward`` must be module-level functions (hashable, stable)
   so that jit caches hit. ``per_shard`` runs them on each device's batch/head shard

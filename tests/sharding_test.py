@@ -188,3 +188,43 @@ def test_mqa_gqa_and_tpu_interpret_with_sharded_inputs():
   res = subprocess.run([sys.executable, "-c", EDGE_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+JVP_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import flashjax
+    from flashjax.common import reference
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    r = np.random.default_rng(1)
+    bias = jnp.asarray(r.normal(size=(1, 8, 64, 64)), jnp.float32)
+    sinks = jnp.asarray(r.normal(size=(8, 1)), jnp.float32)
+    ks = jax.random.split(jax.random.key(0), 6)
+    hs = (8, 4, 4) * 2
+    sh = NamedSharding(mesh, P("data", None, "model", None))
+    args = [jax.device_put(jax.random.normal(key, (4, 64, h, 32)), sh)
+            for key, h in zip(ks, hs)]
+    kw = dict(causal=True, bias=bias, sinks=sinks, dropout_rate=0.1, dropout_seed=7)
+    host = lambda x: np.asarray(jax.device_get(x))
+    ref = jax.jvp(lambda q, k, v: reference.attention(q, k, v, **kw),
+                  tuple(map(host, args[:3])), tuple(map(host, args[3:])))
+    for extra in (dict(platform="xla"), dict(platform="pallas-triton", interpret=True)):
+        f = lambda q, k, v: flashjax.flash_attention(q, k, v, **kw, **extra)
+        run = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))
+        hlo = run.lower(*args).compile().as_text()
+        assert not [op for op in ("all-gather", "all-to-all", "collective-permute")
+                    if op in hlo], extra
+        out, tangent = run(*args)
+        assert tangent.sharding.is_equivalent_to(sh, 4), tangent.sharding
+        np.testing.assert_allclose(host(out), ref[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(host(tangent), ref[1], rtol=2e-4, atol=2e-4)
+    print("OK")
+""")
+
+
+def test_jvp_of_sharded_inputs_runs_per_shard():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-c", JVP_SCRIPT], capture_output=True,
+                       text=True, env=env, timeout=900)
+  assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]

@@ -182,3 +182,20 @@ def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
       timing.shape_flops(Shape(name="d", batch=1, seq_q=n, seq_k=n, heads_q=2,
                                heads_kv=2, head_dim=32, causal=True), "fwd")
       for n in shape.documents)
+
+
+def test_cli_times_forward_mode_against_the_forward(tmp_path, capsys, monkeypatch):
+  from flashjax.common import shapes
+  monkeypatch.setitem(shapes.SHAPE_SETS, "small", (SMALL,))
+  rc = cli.main(["--shapes", "small", "--impls", "xla", "--directions",
+                 "fwd,jvp",
+                 "--iters", "1", "--repeats", "1", "--no-plot", "--out",
+                 str(tmp_path)])
+  assert rc == 0
+  out = capsys.readouterr().out
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  jvp = [r for r in rows if r["direction"] == "jvp"]
+  assert [r["impl"] for r in jvp] == ["xla"]
+  assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in jvp)
+  assert "xla t: jvp / fwd = " in out

@@ -46,8 +46,11 @@ def dense_attention(q, k, v, *, causal_shift=0, **kwargs):
   m = jnp.max(s, -1, keepdims=True)
   p = jnp.where(ok, jnp.exp(s - m), 0)
   l = p.sum(-1, keepdims=True)
-  lse = jnp.where(l[..., 0] > 0, (m + jnp.log(jnp.maximum(l, 1e-30)))[..., 0], -jnp.inf)
-  p = p / jnp.maximum(l, 1e-30)
+  # Empty rows divide by 1, not a tiny clamp: the jvp of x / y has y**-2 in it.
+  empty = l[..., 0] == 0
+  l = jnp.where(l > 0, l, 1.0)
+  lse = jnp.where(empty, -jnp.inf, (m + jnp.log(l))[..., 0])
+  p = p / l
   if spec.dropout_rate:
     bi, hi, qi, ki = jnp.ix_(*(jnp.arange(n) for n in p.shape))
     keep = dropout.keep(ops.dropout_seed, bi, hi, qi, ki, spec.dropout_rate)
