@@ -84,8 +84,10 @@ def _batched(fn, shape: Shape):
 def _varlen(entry, shape: Shape):
   cu = jnp.asarray(cu_seqlens(shape))
   longest = max(shape.documents)
-  return lambda q, k, v, causal: entry(q[0], k[0], v[0], cu, cu, longest, longest,
-                                       is_causal=causal)[None]
+  # By keyword: flash-attn3-jax's varlen takes seqused_k before the max lengths.
+  return lambda q, k, v, causal: entry(
+      q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+      max_seqlen_k=longest, is_causal=causal)[None]
 
 
 def _flashjax_varlen(shape: Shape):

@@ -56,11 +56,21 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
-  """triton_decode's tiles; the call's ``num_splits`` (0 = automatic, 1 = none,
-  FlashAttention's meaning)."""
-  if _rows(spec) > 16:
-    return td.DecodeConfig(block_kv=64, num_stages=2, num_splits=spec.num_splits)
-  return td.DecodeConfig(block_kv=128, num_stages=3, num_splits=spec.num_splits)
+  """triton_decode's tiles, and the call's ``num_splits`` (0 = automatic, 1 =
+  none, FlashAttention's meaning). Pages under 64 positions make 16- or 32-key
+  tiles, which need deeper pipelines: on an H200 (2026-11-24, bf16, GQA 32:8, D =
+  128, pages of 16) 6 stages over 2 warps read 3968 / 3141 / 2800 GB/s at B64
+  Sk8k / B8 Sk64k / B1 Sk128k against 2637 / 1681 / 1578 with the 3-stage 4-warp
+  tiles, and 8 stages over 4 warps 2253 against 1600 at Sq = 16
+  (docs/reports/2026-11-24-h200-kvcache.txt)."""
+  rows, ns = _rows(spec), spec.num_splits
+  if spec.paged and spec.page_size < 64:
+    if rows > 16:
+      return td.DecodeConfig(block_kv=64, num_stages=8, num_warps=4, num_splits=ns)
+    return td.DecodeConfig(block_kv=128, num_stages=6, num_warps=2, num_splits=ns)
+  if rows > 16:
+    return td.DecodeConfig(block_kv=64, num_stages=2, num_splits=ns)
+  return td.DecodeConfig(block_kv=128, num_stages=3, num_splits=ns)
 
 
 def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
