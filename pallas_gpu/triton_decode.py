@@ -110,38 +110,26 @@ def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
   return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
-            rows, precision):
-  split = pl.program_id(0)
-  q = q_ref[...]
-  band = spec.band
-  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-  col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-  query = row % spec.seq_q
-  real = row < spec.seq_q * spec.group_size
-  diag = query + band.offset
+def run_split(q, o_ref, lse_ref, j0, j1, tile, *, spec, rows, precision):
+  """One program's online softmax over key tiles ``[j0, j1)`` of its split, and
+  its normalised partial output and lse (natural log, -inf if it saw no key).
+  ``tile(j) -> (k, v, ok)`` loads tile ``j`` and its ``[rows, block]`` mask; the
+  values of masked keys must already be finite (they meet p = 0 in the product).
+  Shared by this kernel and the KV-cache one (triton_kvcache.py)."""
   cap = spec.logits_soft_cap
-  mult = spec.softmax_scale * LOG2E
+  # With a cap the logits are scaled before tanh; without, the scale rides in the
+  # exp2 argument.
+  scale2 = LOG2E if cap is not None else spec.softmax_scale * LOG2E
 
   def body(j, carry):
     acc, m, l = carry
-    start = jnp.minimum(j * bk, spec.seq_k - bk)
-    k = k_ref[pl.ds(start, bk), :]
-    v = v_ref[pl.ds(start, bk), :]
+    k, v, ok = tile(j)
     s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
     if cap is not None:
       s = cap * jnp.tanh(s * (spec.softmax_scale / cap))
-      scale2 = LOG2E
-    else:
-      scale2 = mult
-    pos = start + col
-    ok = real & (pos >= j * bk)
-    if band.right is not None:
-      ok &= pos <= diag + band.right
-    if band.left is not None:
-      ok &= pos >= diag - band.left
     s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
+    # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s * scale2 - (m_safe * scale2)[:, None])
     alpha = jnp.exp2((m - m_safe) * scale2)
@@ -150,18 +138,39 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
                                          preferred_element_type=jnp.float32)
     return acc, m_new, l
 
-  j0 = first + split * per
-  j1 = jnp.minimum(j0 + per, last)
   init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
           jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
   acc, m, l = jax.lax.fori_loop(j0, j1, body, init)
   nonempty = l > 0
   safe_l = jnp.where(nonempty, l, 1.0)
   o_ref[...] = acc / safe_l[:, None]
-  scale2 = LOG2E if cap is not None else mult
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   lse_ref[...] = jnp.where(nonempty, m_safe * scale2 * LN2 + jnp.log(safe_l),
                            -jnp.inf)
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
+            rows, precision):
+  split = pl.program_id(0)
+  band = spec.band
+  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+  real = row < spec.seq_q * spec.group_size
+  diag = row % spec.seq_q + band.offset
+
+  def tile(j):
+    start = jnp.minimum(j * bk, spec.seq_k - bk)
+    pos = start + col
+    ok = real & (pos >= j * bk)
+    if band.right is not None:
+      ok &= pos <= diag + band.right
+    if band.left is not None:
+      ok &= pos >= diag - band.left
+    return k_ref[pl.ds(start, bk), :], v_ref[pl.ds(start, bk), :], ok
+
+  j0 = first + split * per
+  run_split(q_ref[...], o_ref, lse_ref, j0, jnp.minimum(j0 + per, last), tile,
+            spec=spec, rows=rows, precision=precision)
 
 
 def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):

@@ -88,66 +88,40 @@ def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, 
   split = pl.program_id(0)
   lo, hi = bounds_ref[0], bounds_ref[1]
   total, leftpad = bounds_ref[2], bounds_ref[3]
-  q = q_ref[...]
   row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
   kcol = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  query = row % spec.seq_q
   real = row < spec.seq_q * spec.group_size
-  diag = query + total - spec.seq_q
-  cap = spec.logits_soft_cap
-  scale2 = td.LOG2E if cap is not None else spec.softmax_scale * td.LOG2E
+  diag = row % spec.seq_q + total - spec.seq_q
 
   def tile(j):
     if spec.paged:
       start = j * bk
       page = rows_ref[start // spec.page_size]
       off = start % spec.page_size
-      return start, k_ref[page, pl.ds(off, bk), :], v_ref[page, pl.ds(off, bk), :]
-    start = jnp.minimum(j * bk, spec.capacity - bk)
-    r = rows_ref[0]
-    return start, k_ref[r, pl.ds(start, bk), :], v_ref[r, pl.ds(start, bk), :]
-
-  def body(j, carry):
-    acc, m, l = carry
-    start, k, v = tile(j)
-    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-    if cap is not None:
-      s = cap * jnp.tanh(s * (spec.softmax_scale / cap))
+      k, v = k_ref[page, pl.ds(off, bk), :], v_ref[page, pl.ds(off, bk), :]
+    else:
+      start = jnp.minimum(j * bk, spec.capacity - bk)
+      r = rows_ref[0]
+      k, v = k_ref[r, pl.ds(start, bk), :], v_ref[r, pl.ds(start, bk), :]
+    first_new = jnp.maximum(leftpad, j * bk)
     pos = start + col
-    held = (pos >= jnp.maximum(leftpad, j * bk)) & (pos < total)
-    ok = real & held
+    ok = real & (pos >= first_new) & (pos < total)
     if spec.right is not None:
       ok &= pos <= diag + spec.right
     if spec.left is not None:
       ok &= pos >= diag - spec.left
-    s = jnp.where(ok, s, -jnp.inf)
+    # Free slots may hold anything, NaN included: p = 0 there must not meet it.
     kpos = start + kcol
-    v = jnp.where((kpos >= jnp.maximum(leftpad, j * bk)) & (kpos < total), v,
-                  jnp.zeros_like(v))
-    m_new = jnp.maximum(m, s.max(axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s * scale2 - (m_safe * scale2)[:, None])
-    alpha = jnp.exp2((m - m_safe) * scale2)
-    l = l * alpha + p.sum(axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, precision=precision,
-                                         preferred_element_type=jnp.float32)
-    return acc, m_new, l
+    v = jnp.where((kpos >= first_new) & (kpos < total), v, jnp.zeros_like(v))
+    return k, v, ok
 
   first = lo // bk
   last = jnp.where(hi > lo, (hi + bk - 1) // bk, first)
   per = (last - first + splits - 1) // splits
   j0 = first + split * per
-  j1 = jnp.minimum(j0 + per, last)
-  init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
-          jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(j0, j1, body, init)
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)
-  o_ref[...] = acc / safe_l[:, None]
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  lse_ref[...] = jnp.where(nonempty, m_safe * scale2 * td.LN2 + jnp.log(safe_l),
-                           -jnp.inf)
+  td.run_split(q_ref[...], o_ref, lse_ref, j0, jnp.minimum(j0 + per, last), tile,
+               spec=spec, rows=rows, precision=precision)
 
 
 def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
