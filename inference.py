@@ -14,7 +14,7 @@ and the append once, and runs the platform's attention over the cache:
   (logged once); ``triton`` runs the xla path.
 
 ``flash_attention`` with few queries against many keys (decode, chunked prefill)
-keeps running through the platforms' ordinary kernels.
+takes the same split-KV kernel on both GPU platforms (pallas_gpu/triton_decode.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from .common import kvcache as kv
 
 def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
               interpret: bool) -> str:
-  """``"xla"`` or ``"pallas-tpu"`` for this call; raises for what cannot run."""
+  """``"xla"``, ``"pallas-tpu"`` or ``"pallas-triton"`` for this call; raises for
+  what cannot run."""
   platform = platform or os.environ.get("FLASHJAX_PLATFORM") or None
   name = None if platform is None else registry.resolve(platform, backend)
   if interpret and (name is None and backend != "tpu" or name is not None and

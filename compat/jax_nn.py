@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import api
+from ..common import spec as spec_lib
 
 _JAX_NN_ONLY = ("cudnn",)
 
@@ -157,9 +158,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       q_ids = jnp.zeros((b, t_cut), jnp.int32)
       kv_ids = jnp.zeros((b, s_cut), jnp.int32)
     else:
-      q_ids, kv_ids = (jnp.asarray(x) for x in segment_ids)
+      q_ids, kv_ids = spec_lib.int32_segment_ids(*(jnp.asarray(x)
+                                                    for x in segment_ids))
       q_ids, kv_ids = q_ids[:, :t_cut], kv_ids[:, :s_cut]
-    # Padding gets ids below every real one, different on the two sides.
+    # Padding gets ids below every real one, different on the two sides (int32
+    # ids: below INT32_MIN + 2 they would wrap; a call has far fewer ids).
     low = jnp.minimum(jnp.min(q_ids), jnp.min(kv_ids))
     if q_real is not None:
       q_ids = jnp.where(q_real, q_ids, low - 1)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import epilogue
+from ..common import epilogue, launch
 from ..common import spec as spec_lib
 
 LOG2E = math.log2(math.e)
@@ -43,8 +43,7 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
   """``num_splits``: key splits per (batch, kv head); 0 chooses from the SM count.
-  At 64 packed rows, 128-key tiles with 4 stages overflow an H200's shared
-  memory, hence the smaller default there (:func:`default_config`)."""
+  Each stage holds one K and one V tile in shared memory (:func:`fit`)."""
 
   block_kv: int = 128
   num_splits: int = 0
@@ -95,6 +94,33 @@ def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
   if _rows(spec) > 16:
     return DecodeConfig(block_kv=64, num_stages=2)
   return DecodeConfig(block_kv=128, num_stages=3)
+
+
+def shared_bytes(cfg: DecodeConfig, spec, rows: int) -> int:
+  """Shared memory of the kernel: ``num_stages`` K and V tiles and the q tile; fp32
+  products also stage the probabilities. It reproduces the 278528 bytes Triton
+  asked for at 64 rows, 128-key tiles, 4 stages, bf16, D = 128 (H200,
+  2026-11-24)."""
+  item = 4 if spec.dtype == "float32" else 2
+  tiles = cfg.num_stages * cfg.block_kv * (spec.head_dim + spec.head_dim_v) * item
+  extra = rows * cfg.block_kv * 4 if item == 4 else 0
+  return tiles + rows * spec.head_dim * item + extra
+
+
+def fit(cfg: DecodeConfig, spec, rows: int, budget: int | None = None) -> DecodeConfig:
+  """``cfg`` with fewer stages (down to 2), then shorter key tiles, until
+  :func:`shared_bytes` fits ``budget`` (default: the device's shared memory less
+  4 KiB): wide heads and fp32 overflow the tiles tuned on bf16 at D = 128."""
+  if budget is None:
+    budget = launch.gpu_target().shared_memory - 4096
+  while shared_bytes(cfg, spec, rows) > budget:
+    if cfg.num_stages > 2:
+      cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    elif cfg.block_kv > MIN_ROWS:
+      cfg = dataclasses.replace(cfg, block_kv=cfg.block_kv // 2)
+    else:
+      break
+  return cfg
 
 
 def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
@@ -222,8 +248,10 @@ def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec,
             cfg: DecodeConfig | None, sms: int, interpret: bool):
   """``(out, lse)`` of a decode-shaped call (:func:`applies`), sinks included;
   ``cfg`` None takes :func:`default_config`."""
-  cfg = cfg or default_config(spec)
+  cfg = cfg or fit(default_config(spec), spec, _rows(spec))
   splits = num_splits(spec, cfg, sms)
   o, lse = partials(ops.q, ops.k, ops.v, spec, cfg, splits, interpret)
   out, lse = combine(o, lse, spec)
-  return epilogue.finish_forward(out.astype(ops.q.dtype), lse, spec, ops.sinks)
+  # Sinks rescale in fp32 before the one rounding to the input dtype.
+  out, lse = epilogue.finish_forward(out, lse, spec, ops.sinks)
+  return out.astype(ops.q.dtype), lse

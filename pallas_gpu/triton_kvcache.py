@@ -128,7 +128,7 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
               config: td.DecodeConfig | None, sms: int, interpret: bool = False):
   """``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq])`` over the prepared
   (rotated, appended) cache."""
-  cfg = config or default_config(spec)
+  cfg = config or td.fit(default_config(spec), spec, _rows(spec))
   if not isinstance(cfg, td.DecodeConfig):
     raise ValueError("config must be a pallas_gpu.triton_decode.DecodeConfig, got "
                      f"{type(cfg).__name__}")

@@ -115,3 +115,25 @@ def test_kvcache_kernel_lowers_for_cuda(page_size):
                           sd((b,), jnp.int32), extra).lower(
                               lowering_platforms=("cuda",)).as_text()
   assert "flashjax_pallas_triton_kvcache" in text
+
+
+def test_default_tiles_fit_shared_memory():
+  """Wide heads and fp32 get fewer stages or shorter tiles; bf16 at D = 128 keeps
+  the tiles measured on an H200."""
+  mk = lambda **kw: spec_lib.abstract_spec(**{**dict(
+      batch=8, seq_q=1, seq_k=65536, heads_q=32, heads_kv=8, head_dim=128), **kw})
+  budget = 232448 - 4096
+  bf16 = mk()
+  rows = triton_decode._rows(bf16)
+  assert triton_decode.fit(triton_decode.default_config(bf16), bf16, rows,
+                           budget) == triton_decode.default_config(bf16)
+  for s in (mk(head_dim=256), mk(dtype="float32"), mk(dtype="float32", head_dim=256),
+            mk(seq_q=16, head_dim=256)):
+    rows = triton_decode._rows(s)
+    cfg = triton_decode.fit(triton_decode.default_config(s), s, rows, budget)
+    assert triton_decode.shared_bytes(cfg, s, rows) <= budget, (s, cfg)
+    assert cfg.block_kv >= 16 and cfg.num_stages >= 2
+  # The overflow Triton reported (278528 bytes) is what the estimate gives.
+  s = mk(seq_q=16)
+  assert triton_decode.shared_bytes(triton_decode.DecodeConfig(
+      block_kv=128, num_stages=4), s, triton_decode._rows(s)) == 278528
