@@ -55,16 +55,17 @@ class PackedSegmentCases:
                     head_dim=32, causal=True, segment_ids="documents", seed=5))
 
 
-def check_skips_between_documents(attention, *, doc_len: int, causal: bool):
+def check_skips_between_documents(attention, *, doc_len: int, causal: bool,
+                                  dtype: str = "float32", head_dim: int = 32):
   """Four documents of ``doc_len`` tokens (a multiple of every block size, so no
   block holds two of them); the second one's values are NaN. The other three
   documents' outputs and gradients must be finite and match the reference on
   clean inputs. ``attention(q, k, v, **kwargs)`` is the platform's entry point."""
-  seq = 4 * doc_len
+  seq, d = 4 * doc_len, head_dim
   rng = np.random.default_rng(doc_len + causal)
-  normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  q, k, v = normal(1, seq, 2, 32), normal(1, seq, 1, 32), normal(1, seq, 1, 32)
-  do = normal(1, seq, 2, 32)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+  q, k, v = normal(1, seq, 2, d), normal(1, seq, 1, d), normal(1, seq, 1, d)
+  do = normal(1, seq, 2, d)
   ids = jnp.asarray(np.repeat(np.arange(4, dtype=np.int32), doc_len)[None])
   kw = dict(segment_ids=(ids, ids), causal=causal)
   poisoned = v.at[:, doc_len:2 * doc_len].set(jnp.nan)
@@ -73,8 +74,9 @@ def check_skips_between_documents(attention, *, doc_len: int, causal: bool):
                 q, k, v)
   keep = np.asarray(ids[0] != 1)
   names = ("out", "dq", "dk", "dv")
-  for name, x, y in zip(names, (got[0],) + got[1](do), (ref[0],) + ref[1](do)):
+  ref_grads = ref[1](do.astype(ref[0].dtype))
+  for name, x, y in zip(names, (got[0],) + got[1](do), (ref[0],) + ref_grads):
     x, y = np.asarray(x)[:, keep], np.asarray(y)[:, keep]
     assert np.isfinite(x).all(), f"{name}: a block of another document was computed"
-    tol = (tolerances.forward if name == "out" else tolerances.grad)("float32")
+    tol = (tolerances.forward if name == "out" else tolerances.grad)(dtype)
     tolerances.assert_close(x, y, tol, name=name)

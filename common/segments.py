@@ -14,6 +14,7 @@ All functions take traced ids (the ranges are data, computed once per call):
 * :func:`blocks_meet`: the per-block predicate on those ranges;
 * :func:`visible_kv_blocks` / :func:`visible_q_blocks`: per q block (kv block),
   the first and one-past-last block of the band's range whose ids can meet it;
+* :func:`single_id_blocks`: the run of blocks where the ids mask nothing;
 * :func:`narrow`: a platform's own nondecreasing loop boundaries (masked edge,
   interior, masked edge runs) clipped to such a range.
 """
@@ -111,6 +112,24 @@ def visible_q_blocks(q_ranges, kv_ranges, band: Band | None = None,
   reach = _in_range(lo, hi, nk, nq)
   meet = jnp.swapaxes(_meet_matrix(q_ranges, kv_ranges), 1, 2)
   return _first_last(meet & reach[None])
+
+
+def single_id_blocks(q_ranges, kv_ranges, over_kv: bool = True):
+  """Per q block (``over_kv=False``: per kv block), the run ``[lo, hi)`` of blocks
+  of the other side that hold one id, the same one as the block's own, so that
+  segment ids mask nothing between them (a kernel may drop the ids' mask there);
+  ``[B, n]`` int32 each, ``lo = hi = 0`` where no such run exists or where such
+  blocks are not one unbroken run (unsorted ids)."""
+  (qmin, qmax), (kmin, kmax) = q_ranges, kv_ranges
+  q_one = (qmin == qmax)[:, :, None]
+  k_one = (kmin == kmax)[:, None, :]
+  same = q_one & k_one & (qmin[:, :, None] == kmin[:, None, :])
+  if not over_kv:
+    same = jnp.swapaxes(same, 1, 2)
+  lo, hi = _first_last(same)
+  count = same.sum(-1, dtype=jnp.int32)
+  unbroken = count == hi - lo
+  return jnp.where(unbroken, lo, 0), jnp.where(unbroken, hi, 0)
 
 
 def narrow(bounds, lo, hi):

@@ -3,8 +3,9 @@
 Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Mosaic-GPU
 dQ and dK/dV kernels of mosaic_bwd.py for head dims up to 128 (at 256 the dK and
 dV register accumulators do not fit), Pallas-Triton's backward above that; both
-take this forward's output and lse. Features the forward kernel lacks (bias, dense
-mask, segment ids, dropout, fp32) raise NotImplementedError, so the frontend
+take this forward's output and lse. Segment ids narrow every kernel's walk to the
+blocks the ids leave visible (common/segments.py). Features the kernels lack
+(bias, dense mask, dropout, fp32) raise NotImplementedError, so the frontend
 routes those calls to Pallas-Triton.
 """
 
@@ -18,14 +19,14 @@ import jax.numpy as jnp
 
 from .. import registry
 from ..common import autotune as tuning
-from ..common import epilogue, vjp
+from ..common import epilogue, segments, vjp
 from ..common import spec as spec_lib
 from . import pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
-UNSUPPORTED = ("bias", "mask", "segment_ids", "dropout")
+UNSUPPORTED = ("bias", "mask", "dropout")
 
 
 BACKWARD_KERNELS = ("mosaic", "triton")
@@ -133,7 +134,8 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
   tile = 2 * config.block_q
   persistent = config.persistent
   if persistent is None:
-    persistent = spec.band.is_full
+    # Packed documents make tiles uneven like a causal band does.
+    persistent = spec.band.is_full and not spec.has_segment_ids
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // tile) * tile,
@@ -142,7 +144,8 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
       dtype=spec.dtype, persistent_ctas=registry.num_sms() if persistent else 0,
-      split_tail=config.split_tail)
+      split_tail=config.split_tail and not spec.has_segment_ids,
+      segments=spec.has_segment_ids)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:
@@ -157,7 +160,8 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       seq_q_padded=-(-spec.seq_q // q_tile) * q_tile,
       seq_k_padded=-(-spec.seq_k // k_tile) * k_tile,
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
-      softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype)
+      softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
+      segments=spec.has_segment_ids)
   return (Geometry(block_q=config.block_q, block_kv=config.dq_block_kv,
                    stages=config.dq_stages, **common),
           Geometry(block_q=config.dkv_block_q, block_kv=config.dkv_block_kv,
@@ -179,6 +183,28 @@ def _pad(x, seq, d):
   return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, d - x.shape[3])))
 
 
+def _pad_ids(ids, seq):
+  return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, seq - ids.shape[1])), mode="edge")
+
+
+def segment_operands(ops, g: Geometry, over_kv: bool = True):
+  """The kernels' segment operands: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and,
+  per warpgroup block (``block_q`` rows; with ``over_kv=False`` ``block_kv``
+  keys), the blocks of the other side that the ids leave visible and the run
+  among them that the ids do not mask, ``[B, 4, n]`` (lo, hi, one_lo, one_hi);
+  ``()`` without segment ids."""
+  if not g.segments:
+    return ()
+  nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
+  q_rng = segments.block_id_ranges(ops.q_segment_ids, g.block_q, nq)
+  kv_rng = segments.block_id_ranges(ops.kv_segment_ids, g.block_kv, nk)
+  find = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
+  table = jnp.stack(find(q_rng, kv_rng, g.band, g.block_q, g.block_kv) +
+                    segments.single_id_blocks(q_rng, kv_rng, over_kv), axis=1)
+  return (_pad_ids(ops.q_segment_ids, g.seq_q_padded),
+          _pad_ids(ops.kv_segment_ids, g.seq_k_padded), table)
+
+
 def forward(ops, spec, static: _Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton_decode.py).
@@ -189,7 +215,8 @@ def forward(ops, spec, static: _Static):
   g = geometry(spec, static.config)
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                                 _pad(ops.k, g.seq_k_padded, g.head_dim),
-                                _pad(ops.v, g.seq_k_padded, g.head_dim), g)
+                                _pad(ops.v, g.seq_k_padded, g.head_dim), g,
+                                segment_operands(ops, g))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -204,11 +231,13 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
+  seg_dq = segment_operands(ops, g_dq)
+  seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
-    dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv)
+    dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
   else:
-    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq)
-    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv)
+    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
+    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
@@ -250,7 +279,7 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
 
 def flash_attention(q, k, v, *, config: MosaicConfig | None = None, **kwargs):
   """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus bias,
-  mask, segment ids and dropout."""
+  mask and dropout."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config)
   return (out, lse) if spec.return_lse else out

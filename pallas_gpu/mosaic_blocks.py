@@ -48,6 +48,9 @@ class Geometry:
   # Persistent full-band forward: run the last, partial round of tiles as key
   # ranges (triton_tail.py) where the plan says it pays.
   split_tail: bool = False
+  # Segment ids: the kernels take q and kv ids and a per-block table of the kv
+  # (forward, dQ) or q (dK/dV) blocks the ids leave visible (segment_narrow).
+  segments: bool = False
 
   @property
   def group(self) -> int:
@@ -120,15 +123,20 @@ def unit_tile(g: Geometry, u):
   return _i32(u) if tail is None else triton_tail.unit(tail, _i32(u))[1]
 
 
-def unit_walk(g: Geometry, u):
+def unit_walk(g: Geometry, u, seg=None):
   """Forward work item ``u`` -> ``(tile index t, whole, part, ranges, lo_c, hi_c)``:
   :func:`cta_block_ranges` of tile ``t`` cut to the item's key range. ``whole``
   is False for a tail part (``part`` of the tail's ``parts``; see
-  :func:`tail_plan`), whose walk is the part's consecutive kv blocks."""
+  :func:`tail_plan`), whose walk is the part's consecutive kv blocks. ``seg(b,
+  i)``: the visible kv blocks ``(lo, hi)`` of batch ``b``'s warpgroup row block
+  ``i`` under segment ids and the run among them that the ids do not mask,
+  ``(lo, hi, one_lo, one_hi)`` (see :func:`segment_narrow`), or None."""
   tail = tail_plan(g)
   if tail is None:
     t = _i32(u)
-    return (t, jnp.bool_(True), _i32(0)) + cta_block_ranges(g, tile_coords(g, t)[2])
+    b_idx, _, tile = tile_coords(g, t)
+    narrow = None if seg is None else (lambda i: seg(b_idx, i))
+    return (t, jnp.bool_(True), _i32(0)) + cta_block_ranges(g, tile, narrow)
   whole, t, part = triton_tail.unit(tail, _i32(u))
   ranges, lo_c, hi_c = cta_block_ranges(g, tile_coords(g, t)[2])
   # A whole tile is its own single part.
@@ -183,6 +191,17 @@ def wg_q_ranges(g: Geometry, k0):
   return tuple(jnp.where(empty, _i32(0), x) for x in (lo, a, b, hi))
 
 
+def segment_narrow(rg, seg):
+  """A warpgroup's band ranges ``(lo, a, b, hi)`` cut to the blocks segment ids
+  leave visible, ``seg = (lo, hi, one_lo, one_hi)``: blocks ``[one_lo, one_hi)``
+  hold the warpgroup's own single id only, so only the band may mask there."""
+  lo = jnp.maximum(rg[0], seg[0])
+  hi = jnp.maximum(jnp.minimum(rg[3], seg[1]), lo)
+  a = _clamp(jnp.maximum(rg[1], seg[2]), lo, hi)
+  b = _clamp(jnp.minimum(rg[2], seg[3]), a, hi)
+  return lo, a, b, hi
+
+
 def union_walk(rng):
   """Two warpgroups' ranges -> (ranges, lo_c, hi_c): the CTA walks ``[lo_c, hi_c)``,
   the union; an empty warpgroup's range collapses to ``lo_c`` so it walks every
@@ -197,13 +216,21 @@ def union_walk(rng):
   return rng, lo_c, hi_c
 
 
-def cta_block_ranges(g: Geometry, tile):
-  """Forward: per warpgroup kv ranges of q tile ``tile`` and the CTA's walk."""
-  return union_walk([wg_block_ranges(g, tile * (2 * g.block_q) + w * g.block_q)
-                     for w in (0, 1)])
+def _walk(ranges, tile, narrow):
+  rng = [ranges(tile * 2 + w) for w in (0, 1)]
+  if narrow is not None:
+    rng = [segment_narrow(rg, narrow(tile * 2 + w)) for w, rg in enumerate(rng)]
+  return union_walk(rng)
 
 
-def cta_q_ranges(g: Geometry, tile):
-  """dK/dV: per warpgroup q ranges of kv tile ``tile`` and the CTA's walk."""
-  return union_walk([wg_q_ranges(g, tile * (2 * g.block_kv) + w * g.block_kv)
-                     for w in (0, 1)])
+def cta_block_ranges(g: Geometry, tile, narrow=None):
+  """Forward and dQ: per warpgroup kv ranges of q tile ``tile`` and the CTA's
+  walk; ``narrow(i)`` gives warpgroup row block ``i``'s visible kv blocks under
+  segment ids (or None)."""
+  return _walk(lambda i: wg_block_ranges(g, i * g.block_q), tile, narrow)
+
+
+def cta_q_ranges(g: Geometry, tile, narrow=None):
+  """dK/dV: per warpgroup q ranges of kv tile ``tile`` and the CTA's walk;
+  ``narrow(i)`` as in :func:`cta_block_ranges`, for warpgroup key block ``i``."""
+  return _walk(lambda i: wg_q_ranges(g, i * g.block_kv), tile, narrow)

@@ -28,6 +28,11 @@ every dQ CTA, so the two grids share one tail.
 dQ kernel: the forward's layout (two compute warpgroups of ``block_q`` rows, a
 memory warpgroup streaming K and V blocks), with S = Q K^T, P = exp2(S * scale *
 log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block.
+
+Segment ids (``Geometry.segments``), as in the forward: each warpgroup's walk is
+cut to the blocks whose ids can meet its own (a ``[B, 4, n]`` table per
+warpgroup block), blocks of more than the warpgroup's own id are masked; the ids of a warpgroup's own
+rows (keys) come once, the streamed side's with each slot.
 """
 
 from __future__ import annotations
@@ -67,20 +72,41 @@ def _index(shape, dim, start):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
 
 
+def _segment_scoped(g: Geometry, own: int, streamed: int):
+  """Shared memory and barriers for the ids of a CTA's two warpgroup blocks
+  (``own`` each) and of each ring slot (``streamed`` each)."""
+  if not g.segments:
+    return ()
+  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.stages, streamed), jnp.int32)),
+          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.stages)))
+
+
+def _segment_parts(g: Geometry, seg, b_idx):
+  """``(visible(i), (own ids ref, streamed ids ref, shared memory, barriers))`` of
+  a kernel with segment ids, or Nones."""
+  if not g.segments:
+    return None, None
+  (own_ref, streamed_ref, vis_ref), smem, bars = seg
+  return (lambda i: tuple(vis_ref[b_idx, j, i] for j in range(4))), (
+      own_ref, streamed_ref, smem, bars)
+
+
 def _dkv_program(g: Geometry, dtype):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
-  ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), *scoped)`` for key
-  tile ``tile`` of one (query head, batch)."""
+  ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), seg, *scoped)`` for
+  key tile ``tile`` of one (query head, batch); ``seg``: the segment refs (kv
+  ids, q ids, table), shared memory and barriers, or None."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, smem, bars,
-             free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, seg, smem,
+             bars, free):
     q_free, do_free = free
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
     q_bar, do_bar, st_bar, k_bar, v_bar = bars
-    ranges, lo_c, hi_c = cta_q_ranges(g, tile)
+    visible, ids = _segment_parts(g, seg, b_idx)
+    ranges, lo_c, hi_c = cta_q_ranges(g, tile, visible)
 
     @pl.when(wg < 2)
     def _compute():
@@ -93,8 +119,20 @@ def _dkv_program(g: Geometry, dtype):
       rows = (b_idx, pl.ds(k0, bk), kv_h)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_bar.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
+      if g.segments:
+        kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
+        plgpu.copy_gmem_to_smem(kid_ref.at[b_idx, pl.ds(k0, bk)], kid_smem.at[wg],
+                                kid_bar.at[wg])
+        plgpu.barrier_wait(kid_bar.at[wg])
+        k_ids = compat.mgpu_load(kid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
+
+      def q_ids(slot):
+        if not g.segments:
+          return None
+        plgpu.barrier_wait(qid_bar.at[slot])
+        return compat.mgpu_load(qid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
@@ -115,9 +153,16 @@ def _dkv_program(g: Geometry, dtype):
         lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
         delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
         pt, tanh = _probs(st, col(lse2), g)
+        qi = q_ids(slot)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
-          pt = jnp.where(band_allowed(qrows, keys, g.band), pt, 0.0)
+          ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
+          if g.segments:
+            same = (lax.broadcast_in_dim(k_ids, (bk, bq), [0]) ==
+                    lax.broadcast_in_dim(qi, (bk, bq), [1]))
+            ok = same if ok is None else ok & same
+          if ok is not None:
+            pt = jnp.where(ok, pt, 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
 
         def products(refs):
@@ -141,6 +186,7 @@ def _dkv_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         for bar in (q_bar, st_bar, do_bar):
           plgpu.barrier_wait(bar.at[slot])
+        q_ids(slot)  # keeps the ids barrier's phase in step
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
@@ -170,6 +216,10 @@ def _dkv_program(g: Geometry, dtype):
                               q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
                               st_smem.at[slot], st_bar.at[slot])
+      if g.segments:
+        _, qid_ref, (_, qid_smem), (_, qid_bar) = ids
+        plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(s * bq, bq)],
+                                qid_smem.at[slot], qid_bar.at[slot])
 
     # dO is released after dV and dP^T, Q and the row stats after dK.
     pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
@@ -185,7 +235,7 @@ def _dkv_program(g: Geometry, dtype):
   )
   bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-  return (smem, bars, free), kernel
+  return (smem, bars, free) + _segment_scoped(g, bk, bq), kernel
 
 
 def _launch(entry, out_type, grid, grid_names):
@@ -195,34 +245,54 @@ def _launch(entry, out_type, grid, grid_names):
       compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
-def dkv(q, k, v, do, stats, g: Geometry):
+def _run(kernel, scoped, ins, outs, where, seg_refs):
+  """Runs one CTA's ``kernel`` in its scoped shared memory and barriers."""
+  def body(smem, bars, free, seg_smem=(), seg_bars=()):
+    seg = (seg_refs, seg_smem, seg_bars) if seg_refs else None
+    kernel(*ins, *outs, where, seg, smem, bars, free)
+  pl.run_scoped(body, *scoped, collective_axes="wg")
+
+
+def _dkv_ids(seg):
+  """The dK/dV kernel takes its own (kv) ids first."""
+  return (seg[1], seg[0], seg[2]) if seg else ()
+
+
+def dkv(q, k, v, do, stats, g: Geometry, segments=()):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
-  rows) and delta. Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
+  rows) and delta; ``segments``: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and the
+  visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
+  (mosaic.segment_operands), or ().
+  Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
   scoped, kernel = _dkv_program(g, q.dtype)
+  n = len(segments)
 
   def entry(*refs):
     where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
-    pl.run_scoped(lambda *sc: kernel(*refs, where, *sc), *scoped, collective_axes="wg")
+    _run(kernel, scoped, refs[:5], refs[5 + n:], where, refs[5:5 + n])
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
                  (g.num_kv_tiles, g.heads_q, g.batch), ("kt", "h", "b"))(
-                     q, k, v, do, stats)
+                     q, k, v, do, stats, *_dkv_ids(segments))
 
 
 def _dq_program(g: Geometry, dtype):
   """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, dq, (tile,
-  head, batch), *scoped)`` for query tile ``tile``."""
+  head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
+  :func:`_dkv_program` with q ids first."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, smem, bars, free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, seg, smem, bars,
+             free):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
     q_bar, k_bar, v_bar = bars
     k_free, v_free = free
-    ranges, lo_c, hi_c = cta_block_ranges(g, tile)
+    visible, ids = _segment_parts(g, seg, b_idx)
+    ranges, lo_c, hi_c = cta_block_ranges(g, tile, visible)
 
     @pl.when(wg < 2)
     def _compute():
@@ -236,8 +306,20 @@ def _dq_program(g: Geometry, dtype):
       plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, q_bar.at[3 * wg + 1])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(r0, bq)], my_st,
                               q_bar.at[3 * wg + 2])
+      if g.segments:
+        qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
+        plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
+                                qid_bar.at[wg])
+        plgpu.barrier_wait(qid_bar.at[wg])
+        q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       for i in range(3):
         plgpu.barrier_wait(q_bar.at[3 * wg + i])
+
+      def kv_ids(slot):
+        if not g.segments:
+          return None
+        plgpu.barrier_wait(kid_bar.at[slot])
+        return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
@@ -248,6 +330,7 @@ def _dq_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
+        k_ids = kv_ids(slot)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
@@ -260,6 +343,9 @@ def _dq_program(g: Geometry, dtype):
             ok = keys < g.seq_k
             if not g.band.is_full:
               ok = ok & band_allowed(qrows, keys, g.band)
+            if g.segments:
+              ok = ok & (lax.broadcast_in_dim(q_ids, (bq, bk), [0]) ==
+                         lax.broadcast_in_dim(k_ids, (bq, bk), [1]))
             p = jnp.where(ok, p, 0.0)
           dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
           plgpu.barrier_arrive(v_free.at[slot])
@@ -276,6 +362,7 @@ def _dq_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
+        kv_ids(slot)  # keeps the ids barrier's phase in step
         plgpu.barrier_arrive(v_free.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
@@ -295,6 +382,9 @@ def _dq_program(g: Geometry, dtype):
     load_k, load_v = mosaic_pipeline.kv_loader(
         g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
         lax.div(h, jnp.int32(g.group)))
+    if g.segments:
+      _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
+      load_k = mosaic_pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
     # V is released after S and dP, K after the dQ product.
     pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
         lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k))))
@@ -310,7 +400,7 @@ def _dq_program(g: Geometry, dtype):
   bars = (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_barriers=stages))
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-  return (smem, bars, free), kernel
+  return (smem, bars, free) + _segment_scoped(g, bq, bk), kernel
 
 
 def _dq_tile(g: Geometry, index):
@@ -318,22 +408,25 @@ def _dq_tile(g: Geometry, index):
   return (g.num_q_tiles - 1) - index
 
 
-def dq(q, k, v, do, stats, g: Geometry):
+def dq(q, k, v, do, stats, g: Geometry, segments=()):
   """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
-  block_q``, Sk to ``block_kv``). Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
+  block_q``, Sk to ``block_kv``); ``segments`` with the visible kv blocks per
+  warpgroup row block. Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
   scoped, kernel = _dq_program(g, q.dtype)
+  n = len(segments)
 
   def entry(*refs):
     where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
              lax.axis_index("b"))
-    pl.run_scoped(lambda *sc: kernel(*refs, where, *sc), *scoped, collective_axes="wg")
+    _run(kernel, scoped, refs[:5], refs[5 + n:], where, refs[5:5 + n])
 
   return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype),
                  (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
-                     q, k, v, do, stats)
+                     q, k, v, do, stats, *segments)
 
 
-def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
+def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
+           seg_dkv=()):
   """:func:`dq` and :func:`dkv` in one launch: every dK/dV CTA first (tiles
   fastest, so CTAs in flight share one head's Q and dO in L2), then every dQ CTA.
   The two grids' tails become one, filled by the shorter dQ CTAs. Returns ``(dq,
@@ -343,6 +436,8 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
   dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
   n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q
   first_dq = n_kv * heads * g_dq.batch
+  seg_dkv = _dkv_ids(seg_dkv)
+  n1, n2 = len(seg_dq), len(seg_dkv)
 
   def split(i, n):
     """Linear CTA index -> (tile, head, batch), tiles fastest."""
@@ -350,24 +445,24 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry):
     return lax.rem(i, jnp.int32(n)), lax.rem(hb, jnp.int32(heads)), lax.div(
         hb, jnp.int32(heads))
 
-  def entry(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, dk_ref, dv_ref):
+  def entry(*refs):
     t = lax.axis_index("t")
-    ins = (q_ref, k_ref, v_ref, do_ref, st_ref)
+    ins = refs[:5]
+    dq_seg, dkv_seg = refs[5:5 + n1], refs[5 + n1:5 + n1 + n2]
+    dq_ref, dk_ref, dv_ref = refs[5 + n1 + n2:]
 
     @pl.when(t < first_dq)
     def _():
-      pl.run_scoped(lambda *sc: dkv_kernel(*ins, dk_ref, dv_ref, split(t, n_kv), *sc),
-                    *dkv_scoped, collective_axes="wg")
+      _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref), split(t, n_kv), dkv_seg)
 
     @pl.when(t >= first_dq)
     def _():
       tile, h, b = split(t - first_dq, n_q)
-      pl.run_scoped(lambda *sc: dq_kernel(*ins, dq_ref, (_dq_tile(g_dq, tile), h, b),
-                                          *sc), *dq_scoped, collective_axes="wg")
+      _run(dq_kernel, dq_scoped, ins, (dq_ref,), (_dq_tile(g_dq, tile), h, b), dq_seg)
 
   kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype))
   return _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
-      q, k, v, do, stats)
+      q, k, v, do, stats, *seg_dq, *seg_dkv)

@@ -26,6 +26,12 @@ Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
 warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
 steps still wait for the slot's data and release it, so every thread's barrier
 phases and the ping-pong stay in step.
+
+Segment ids (``Geometry.segments``): each warpgroup's walk is cut to the kv blocks
+whose ids can meet its rows' (a ``[B, 4, Sqp / block_q]`` table read as scalars,
+common/segments.py), so a packed call visits the blocks of its documents only;
+blocks that hold the rows' own single id are masked by the band alone. The warpgroup's q ids come with Q, each slot's kv
+ids with K (their own barriers), and are read into registers before K is released.
 """
 
 from __future__ import annotations
@@ -61,9 +67,12 @@ def separate_out_smem(g: Geometry) -> bool:
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
-def forward(q, k, v, g: Geometry):
+def forward(q, k, v, g: Geometry, segments=()):
   """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded) ->
-  ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log)."""
+  ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
+  ``segments`` (with ``g.segments``): q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` (int32)
+  and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
+  (mosaic.segment_operands)."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
@@ -71,13 +80,18 @@ def forward(q, k, v, g: Geometry):
   separate_o = separate_out_smem(g)
   tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, smem, bars, free, sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, smem, bars, free, sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
     q_smem, k_smem, v_smem, lse_smem, *o_smem = smem
     k_bar, v_bar, q_bar = bars
     k_free, v_free = free
+    if g.segments:
+      (qid_ref, kid_ref, vis_ref), (qid_smem, kid_smem), (qid_bar, kid_bar) = seg
+      visible = lambda b, i: tuple(vis_ref[b, j, i] for j in range(4))
+    else:
+      visible = None
 
     def rendezvous():
       plgpu.barrier_arrive(sched)
@@ -98,17 +112,30 @@ def forward(q, k, v, g: Geometry):
       def load_q(u):
         b_idx, h, _, r0 = rows_of(unit_tile(g, u))
         plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
+        if g.segments:
+          plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
+                                  qid_bar.at[wg])
 
       load_q(cta)
 
       def tile_body(it, base):
         u = cta + it * ctas
-        t, whole, part, ranges, lo_c, hi_c = unit_walk(g, u)
+        t, whole, part, ranges, lo_c, hi_c = unit_walk(g, u, visible)
         b_idx, h, tile, r0 = rows_of(t)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
         lo, a, bb, hi = (pick(i) for i in range(4))
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(q_bar.at[wg])
+        if g.segments:
+          plgpu.barrier_wait(qid_bar.at[wg])
+          q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+
+        def kv_ids(slot):
+          """The slot's kv ids in registers, read before K's slot is released."""
+          if not g.segments:
+            return None
+          plgpu.barrier_wait(kid_bar.at[slot])
+          return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
 
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
@@ -136,6 +163,7 @@ def forward(q, k, v, g: Geometry):
             return acc_ref[...]
 
           s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+          k_ids = kv_ids(slot)
           plgpu.barrier_arrive(k_free.at[slot])
           if g.soft_cap is not None:
             cap = g.soft_cap
@@ -152,6 +180,9 @@ def forward(q, k, v, g: Geometry):
             ok = cols < g.seq_k
             if not g.band.is_full:
               ok = ok & band_allowed(rows, cols, g.band)
+            if g.segments:
+              ok = ok & (lax.broadcast_in_dim(q_ids, s2.shape, [0]) ==
+                         lax.broadcast_in_dim(k_ids, s2.shape, [1]))
             s2 = jnp.where(ok, s2, -jnp.inf)
           m_new = jnp.maximum(m, s2.max(axis=1) * mult)
           # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
@@ -176,6 +207,7 @@ def forward(q, k, v, g: Geometry):
 
         def skip(s, carry):
           slot = slot_of(s)
+          kv_ids(slot)  # keeps the ids barrier's phase in step
           plgpu.barrier_arrive(k_free.at[slot])
           wait_next_k(s)
           rendezvous()
@@ -250,11 +282,13 @@ def forward(q, k, v, g: Geometry):
       plgpu.set_max_registers(40, action="decrease")
 
       def tile_body(it, base):
-        t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas)
+        t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas, visible)
         b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = mosaic_pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
             lax.div(h, jnp.int32(g.group)))
+        if g.segments:
+          load_k = mosaic_pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
 
         @pl.loop(lo_c, hi_c)
         def _step(s):
@@ -266,7 +300,8 @@ def forward(q, k, v, g: Geometry):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  def entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *parts):
+  def entry(q_ref, k_ref, v_ref, *refs):
+    seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[len(segments):]
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -277,9 +312,16 @@ def forward(q, k, v, g: Geometry):
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, *scoped),
-        smem, bars, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+    seg_scoped = ((plgpu.SMEM((2, bq), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
+                  (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
+                  ) if g.segments else ()
+
+    def scoped_kernel(smem, bars, free, sched, seg_smem=(), seg_bars=()):
+      seg = (seg_refs, seg_smem, seg_bars) if g.segments else None
+      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, smem, bars, free, sched)
+
+    pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
+                  *seg_scoped, collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
@@ -291,7 +333,7 @@ def forward(q, k, v, g: Geometry):
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v)
+  )(q, k, v, *segments)
   if tail is None:
     return outs
   out, lse, o_hi, o_lo, lse_part = outs

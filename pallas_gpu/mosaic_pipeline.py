@@ -47,3 +47,13 @@ def kv_loader(g, refs, smems, bars, b_idx, kv_head):
       plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], bar.at[slot])
     return load
   return tuple(loader(*x) for x in zip(refs, smems, bars))
+
+
+def with_ids(load, g, ids_ref, ids_smem, ids_bar, b_idx):
+  """``load(s, slot)`` that also copies block ``s``'s segment ids (``g.block_kv``
+  of them) of batch ``b_idx`` into ``ids_smem[slot]`` with its own barrier."""
+  def load_both(s, slot):
+    load(s, slot)
+    plgpu.copy_gmem_to_smem(ids_ref.at[b_idx, pl.ds(s * g.block_kv, g.block_kv)],
+                            ids_smem.at[slot], ids_bar.at[slot])
+  return load_both

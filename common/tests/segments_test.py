@@ -132,3 +132,23 @@ def test_narrow_clips_runs_to_the_range():
 def test_num_blocks_must_cover_the_ids():
   with pytest.raises(ValueError, match="num_blocks"):
     segments.block_id_ranges(jnp.zeros((1, 40), jnp.int32), 16, 2)
+
+
+def test_single_id_blocks_are_one_unbroken_run():
+  """Documents of 40 and 88 tokens in 16-token blocks: a q block inside the
+  second document holds one id, and so do kv blocks 3-7 (block 2 straddles);
+  a block straddling two documents has no such run. Shuffled ids break the run:
+  none is reported."""
+  ids = np.repeat([0, 1], [40, 88])[None].astype(np.int32)
+  r = segments.block_id_ranges(jnp.asarray(ids), 16)
+  lo, hi = segments.single_id_blocks(r, r)
+  assert (int(lo[0, 5]), int(hi[0, 5])) == (3, 8)
+  assert (int(lo[0, 0]), int(hi[0, 0])) == (0, 2)
+  assert int(hi[0, 2] - lo[0, 2]) == 0  # q block 2 holds both ids
+  lo_t, hi_t = segments.single_id_blocks(r, r, over_kv=False)
+  assert (int(lo_t[0, 4]), int(hi_t[0, 4])) == (3, 8)
+  broken = np.array([[0] * 16 + [1] * 16 + [0] * 16], np.int32)
+  rb = segments.block_id_ranges(jnp.asarray(broken), 16)
+  lo_b, hi_b = segments.single_id_blocks(rb, rb)
+  assert int(hi_b[0, 0] - lo_b[0, 0]) == 0
+  assert (int(lo_b[0, 1]), int(hi_b[0, 1])) == (1, 2)

@@ -24,7 +24,8 @@ ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
   CAPS = conformance.Capabilities(
       name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
-      features=frozenset({"causal", "window", "soft_cap", "sinks", "lse"}),
+      features=frozenset({"causal", "window", "soft_cap", "sinks", "lse",
+                          "segment_ids"}),
       head_dim_ok=lambda d: d <= 256)
 
   def attention(self, q, k, v, **kwargs):
@@ -257,8 +258,8 @@ def test_supported_reasons():
   assert mosaic.supported(s()) is None
   assert "dtype float32" in mosaic.supported(s(dtype="float32"))
   assert "head dim 512" in mosaic.supported(s(d=512))
-  assert "segment_ids" in mosaic.supported(s(segment_ids=(
-      jax.ShapeDtypeStruct((1, 64), jnp.int32),) * 2))
+  assert mosaic.supported(s(segment_ids=(
+      jax.ShapeDtypeStruct((1, 64), jnp.int32),) * 2)) is None
   assert "dropout" in mosaic.supported(s(dropout_rate=0.1))
   if not ON_HOPPER:
     q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
@@ -463,3 +464,68 @@ def test_split_tail_matches_unsplit_and_reference(kw):
                                     np.asarray(ref[0])[rows])
   assert err(split) <= 1.25 * err(whole) + 1e-6, (err(split), err(whole))
   np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("seq_q,seq_k", [(512, 512), (300, 450), (450, 300)])
+def test_segment_walks_cover_every_allowed_pair(seq_q, seq_k, causal):
+  """Under segment ids each warpgroup walks only the kv blocks (forward, dQ) or q
+  blocks (dK/dV) the ids and band leave visible: every allowed (row, key) pair
+  must still lie inside its warpgroup's walk, and its unmasked steps hold only
+  allowed pairs, for sorted and shuffled ids."""
+  from flashjax.common import spec as sl
+  rng = np.random.default_rng(seq_q + seq_k + causal)
+  def ids(n):  # documents of 100-299 tokens; row 1 shuffled
+    doc = np.repeat(np.arange(n), rng.integers(100, 300, n))[:n]
+    return np.stack([doc, doc]).astype(np.int32)
+
+  q_ids = ids(seq_q)
+  kv_ids = q_ids if seq_q == seq_k else ids(seq_k)
+  q_ids, kv_ids = q_ids.copy(), kv_ids.copy()
+  q_ids[1], kv_ids[1] = rng.permutation(q_ids[1]), rng.permutation(kv_ids[1])
+  spec = sl.abstract_spec(batch=2, seq_q=seq_q, seq_k=seq_k, heads_q=1, head_dim=64,
+                          causal=causal, dtype="bfloat16", segment_ids=(
+                              jax.ShapeDtypeStruct((2, seq_q), jnp.int32),
+                              jax.ShapeDtypeStruct((2, seq_k), jnp.int32)))
+  ops = spec_lib.Operands(q=None, k=None, v=None, q_segment_ids=jnp.asarray(q_ids),
+                          kv_segment_ids=jnp.asarray(kv_ids))
+  allowed = np.asarray(spec.band.as_array())[None] & (
+      q_ids[:, :, None] == kv_ids[:, None, :])
+  g_fwd = mosaic.geometry(spec, mosaic.MosaicConfig())
+  g_dq, g_dkv = mosaic.backward_geometries(spec, mosaic.MosaicConfig())
+  skipped = unmasked = 0
+  for g, over_kv in ((g_fwd, True), (g_dq, True), (g_dkv, False)):
+    table = np.asarray(mosaic.segment_operands(ops, g, over_kv)[2])
+    rows, cols = (g.block_q, g.block_kv) if over_kv else (g.block_kv, g.block_q)
+    walk = mosaic_blocks.cta_block_ranges if over_kv else mosaic_blocks.cta_q_ranges
+    n_tiles = g.num_q_tiles if over_kv else g.num_kv_tiles
+    pairs = allowed if over_kv else np.swapaxes(allowed, 1, 2)
+    for b in range(2):
+      for tile in range(n_tiles):
+        rng_w, lo_c, hi_c = walk(g, tile, lambda i: tuple(table[b, :, i]))
+        for w in (0, 1):
+          lo, a, bb, hi = (int(x) for x in rng_w[w])
+          r0 = (2 * tile + w) * rows
+          seen = np.zeros(pairs.shape[2], bool)
+          seen[lo * cols:hi * cols] = True
+          block = pairs[b, r0:r0 + rows]
+          assert not (block & ~seen[None]).any(), (g, b, tile, w)
+          if block.shape[0]:  # unmasked steps: every real pair allowed
+            assert block[:, a * cols:bb * cols].all(), (g, b, tile, w)
+          band_lo, _, _, band_hi = (int(x) for x in walk(g, tile)[0][w])
+          skipped += (band_hi - band_lo) - (hi - lo)
+          unmasked += bb - a
+  # Sorted documents leave blocks out, and where q and kv share them, whole
+  # blocks need no mask.
+  assert skipped > 0 and (unmasked > 0 or seq_q != seq_k)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("causal", (False, True))
+def test_blocks_between_documents_are_skipped(causal):
+  """Forward, dQ and dK/dV kernels leave out the blocks of other documents: one
+  document's NaN values reach no other document."""
+  from flashjax.common import conformance_packed
+  conformance_packed.check_skips_between_documents(
+      mosaic.flash_attention, doc_len=256, causal=causal, dtype="bfloat16",
+      head_dim=64)
