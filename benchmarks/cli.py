@@ -174,8 +174,8 @@ def main(argv=None):
   if rows:
     os.remove(os.path.join(out_dir, "results.partial.csv"))
   print("wrote " + ", ".join(paths.values()))
-  # A declared gap (NotImplementedError: Mosaic-GPU on a packed row's segment
-  # ids) is reported in the table, not counted as a failure.
+  # A declared gap (NotImplementedError: a feature the platform lacks) is
+  # reported in the table, not counted as a failure.
   wrong = [r for r in rows
            if r.status != "ok" and "NotImplementedError" not in r.status]
   return 1 if any(r.impl in ("xla", "pallas", "pallas-triton", "triton")
