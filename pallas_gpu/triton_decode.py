@@ -87,12 +87,15 @@ def key_blocks(spec, bk: int) -> tuple[int, int]:
 
 
 def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
-  """Tiles by packed rows. An H200 sweep (2026-11-24, bf16, GQA 32:8, D = 128,
-  docs/reports/2026-11-24-h200-decode-split-sweep.txt): 64-key 2-stage tiles
-  were best at 64 rows (Sq = 16: 3378 GB/s against 2813 with 128-key tiles), and
-  128-key 3-stage tiles within 2% of the best at 16 rows."""
+  """Tiles by packed rows. H200 sweeps (2026-11-24, bf16, GQA 32:8, D = 128,
+  docs/reports/2026-11-24-h200-decode-split-sweep.txt and
+  2026-11-24-h200-decode-rows-sweep.txt): 64-key tiles were best at 32-64 rows
+  (Sq = 16: 3378 GB/s against 2813 with 128-key tiles), 3 stages ahead of 2 in the
+  second sweep (B32 Sq8 Sk4k 3735 against 3149 GB/s, B64 Sq16 Sk8k 4035 against
+  3657; 8 warps lost everywhere); 128-key 3-stage tiles within 2% of the best at
+  16 rows."""
   if _rows(spec) > 16:
-    return DecodeConfig(block_kv=64, num_stages=2)
+    return DecodeConfig(block_kv=64, num_stages=3)
   return DecodeConfig(block_kv=128, num_stages=3)
 
 
