@@ -128,11 +128,15 @@ def _dkv_program(g: Geometry, dtype):
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
 
-      def q_ids(slot):
+      def q_ids(slot, load=True):
+        """The slot's q ids in registers if ``load``; every step waits for them, so
+        the barrier's phases stay in step."""
         if not g.segments:
           return None
         plgpu.barrier_wait(qid_bar.at[slot])
-        return compat.mgpu_load(qid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        if load:
+          return compat.mgpu_load(qid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        return None
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
@@ -153,7 +157,7 @@ def _dkv_program(g: Geometry, dtype):
         lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
         delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
         pt, tanh = _probs(st, col(lse2), g)
-        qi = q_ids(slot)
+        qi = q_ids(slot, masked)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
           ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
@@ -186,7 +190,7 @@ def _dkv_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         for bar in (q_bar, st_bar, do_bar):
           plgpu.barrier_wait(bar.at[slot])
-        q_ids(slot)  # keeps the ids barrier's phase in step
+        q_ids(slot, False)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
@@ -315,11 +319,14 @@ def _dq_program(g: Geometry, dtype):
       for i in range(3):
         plgpu.barrier_wait(q_bar.at[3 * wg + i])
 
-      def kv_ids(slot):
+      def kv_ids(slot, load=True):
+        """As ``q_ids`` of the dK/dV kernel, for the slot's kv ids."""
         if not g.segments:
           return None
         plgpu.barrier_wait(kid_bar.at[slot])
-        return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        if load:
+          return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        return None
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
@@ -330,7 +337,7 @@ def _dq_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
-        k_ids = kv_ids(slot)
+        k_ids = kv_ids(slot, masked)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
@@ -362,7 +369,7 @@ def _dq_program(g: Geometry, dtype):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
-        kv_ids(slot)  # keeps the ids barrier's phase in step
+        kv_ids(slot, False)
         plgpu.barrier_arrive(v_free.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         return carry

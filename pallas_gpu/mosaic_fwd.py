@@ -130,12 +130,15 @@ def forward(q, k, v, g: Geometry, segments=()):
           plgpu.barrier_wait(qid_bar.at[wg])
           q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
-        def kv_ids(slot):
-          """The slot's kv ids in registers, read before K's slot is released."""
+        def kv_ids(slot, load=True):
+          """The slot's kv ids in registers (read before K's slot is released) if
+          ``load``; every step waits for them, so the barrier's phases stay in step."""
           if not g.segments:
             return None
           plgpu.barrier_wait(kid_bar.at[slot])
-          return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+          if load:
+            return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+          return None
 
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
@@ -163,7 +166,7 @@ def forward(q, k, v, g: Geometry, segments=()):
             return acc_ref[...]
 
           s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-          k_ids = kv_ids(slot)
+          k_ids = kv_ids(slot, masked)
           plgpu.barrier_arrive(k_free.at[slot])
           if g.soft_cap is not None:
             cap = g.soft_cap
@@ -207,7 +210,7 @@ def forward(q, k, v, g: Geometry, segments=()):
 
         def skip(s, carry):
           slot = slot_of(s)
-          kv_ids(slot)  # keeps the ids barrier's phase in step
+          kv_ids(slot, False)
           plgpu.barrier_arrive(k_free.at[slot])
           wait_next_k(s)
           rendezvous()
