@@ -54,6 +54,9 @@ class Capabilities:
   # longer cases are reported as skipped, never as passed.
   max_seq_len: int = 4096
   hypothesis_examples: int = 12
+  # The dtype of cases that name none: a platform without fp32 runs every case in
+  # its own dtype, so each feature is checked in numbers, not only for an error.
+  default_dtype: str = "float32"
   forward_tol: dict = dataclasses.field(default_factory=dict)
   grad_tol: dict = dataclasses.field(default_factory=dict)
 
@@ -67,7 +70,7 @@ class Case:
   heads_kv: int = 2
   head_dim: int = 64
   head_dim_v: int | None = None
-  dtype: str = "float32"
+  dtype: str | None = None  # None: the platform's Capabilities.default_dtype
   causal: bool = False
   sliding_window: object = None
   segment_ids: str | None = None  # "packed" | "padded" | "disjoint"
@@ -114,7 +117,7 @@ def make_inputs(case: Case):
   """
   rng = np.random.default_rng(case.seed)
   dv = case.head_dim_v or case.head_dim
-  dt = jnp.dtype(case.dtype)
+  dt = jnp.dtype(case.dtype or "float32")
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
   diff = {
       "q": jnp.asarray(normal(case.batch, case.seq_q, case.heads_q, case.head_dim), dt),
@@ -233,8 +236,13 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
       return "head_dim_v != head_dim"
     return None
 
+  def resolve(self, case: Case) -> Case:
+    """``case`` with its dtype named (the platform's default where it has none)."""
+    return dataclasses.replace(case, dtype=case.dtype or self.CAPS.default_dtype)
+
   def check(self, case: Case):
     caps = self.CAPS
+    case = self.resolve(case)
     if max(case.seq_q, case.seq_k) > caps.max_seq_len:
       pytest.skip(f"{caps.name}: sequence length above max_seq_len="
                   f"{caps.max_seq_len} for this suite instance")

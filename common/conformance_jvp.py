@@ -68,6 +68,7 @@ class JvpChecks:
   def check_jvp(self, case):
     from .conformance import make_inputs
     caps = self.CAPS
+    case = self.resolve(case)
     if max(case.seq_q, case.seq_k) > caps.max_seq_len:
       pytest.skip(f"{caps.name}: sequence length above max_seq_len="
                   f"{caps.max_seq_len} for this suite instance")
