@@ -4,9 +4,12 @@ Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Mosaic-GPU
 dQ and dK/dV kernels of mosaic_bwd.py for head dims up to 128 (at 256 the dK and
 dV register accumulators do not fit), Pallas-Triton's backward above that; both
 take this forward's output and lse. Segment ids narrow every kernel's walk to the
-blocks the ids leave visible (common/segments.py). Features the kernels lack
-(bias, dense mask, dropout, fp32) raise NotImplementedError, so the frontend
-routes those calls to Pallas-Triton.
+blocks the ids leave visible (common/segments.py). A bias or dense mask over
+whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
+blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
+dbias). Features the kernels lack (dropout, fp32, a bias or mask broadcast along
+Sq or Sk) raise NotImplementedError, so the frontend routes those calls to
+Pallas-Triton.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from .mosaic_blocks import Geometry
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
-UNSUPPORTED = ("bias", "mask", "dropout")
+UNSUPPORTED = ("dropout",)
+# The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
+# blocks beside it in shared memory.
+BIAS_MAX_HEAD_DIM = 128
+BIAS_BLOCK_KV = 64
 
 
 BACKWARD_KERNELS = ("mosaic", "triton")
@@ -114,7 +121,20 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
   used = sorted(spec.features & set(UNSUPPORTED))
   if used:
     return f"pallas-mosaic-gpu: features {', '.join(used)} not in this kernel"
+  for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
+    if shape is None:
+      continue
+    if tuple(shape[2:]) != (spec.seq_q, spec.seq_k):
+      return (f"pallas-mosaic-gpu: a {name} broadcast along Sq or Sk (shape "
+              f"{tuple(shape)}) is not in this kernel")
+    if padded_head_dim(spec) > BIAS_MAX_HEAD_DIM:
+      return (f"pallas-mosaic-gpu: a {name} with head dim "
+              f"{max(spec.head_dim, spec.head_dim_v)} > {BIAS_MAX_HEAD_DIM}")
   return None
+
+
+def has_additive_tile(spec) -> bool:
+  return spec.bias_shape is not None or spec.mask_shape is not None
 
 
 def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
@@ -122,6 +142,8 @@ def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
   64-key blocks so two stages fit in 227 KiB. The split tail only where it was
   measured to pay (D = 64, long keys; see MosaicConfig)."""
   d = padded_head_dim(spec) or 256
+  if has_additive_tile(spec):
+    return MosaicConfig(block_kv=BIAS_BLOCK_KV, stages=2)
   if d <= 64:
     return MosaicConfig(block_kv=128, stages=3, split_tail=spec.seq_k > 2048)
   if d <= 128:
@@ -169,8 +191,28 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
-  return (config.backward_kernel == "mosaic" and
+  return (config.backward_kernel == "mosaic" and not has_additive_tile(spec) and
           padded_head_dim(spec) <= MOSAIC_BWD_MAX_HEAD_DIM)
+
+
+def additive_tile(ops, spec, g: Geometry):
+  """``(g, tile)``: the bias plus 0 / -inf where the mask is False, padded to
+  ``[B|1, H|1, Sqp, Skp]``, in the bias's dtype (fp32 stays fp32) or the input's,
+  and ``g`` recording it; ``(g, None)`` without bias and mask."""
+  if not has_additive_tile(spec):
+    return g, None
+  dtype = ops.bias.dtype if ops.bias is not None else ops.q.dtype
+  if dtype != jnp.float32:
+    dtype = ops.q.dtype
+  tile = None if ops.bias is None else ops.bias.astype(dtype)
+  if ops.mask is not None:
+    blocked = jnp.where(ops.mask, 0.0, -jnp.inf).astype(dtype)
+    tile = blocked if tile is None else tile + blocked
+  tile = jnp.pad(tile, ((0, 0), (0, 0), (0, g.seq_q_padded - spec.seq_q),
+                        (0, g.seq_k_padded - spec.seq_k)))
+  return dataclasses.replace(g, bias_dtype=jnp.dtype(dtype).name,
+                             bias_batch=tile.shape[0] > 1,
+                             bias_heads=tile.shape[1] > 1), tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,11 +254,11 @@ def forward(ops, spec, static: _Static):
     return triton_decode.forward(ops, spec, None,
                                  registry.num_sms(), False)
   from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
-  g = geometry(spec, static.config)
+  g, tile = additive_tile(ops, spec, geometry(spec, static.config))
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                                 _pad(ops.k, g.seq_k_padded, g.head_dim),
                                 _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                                segment_operands(ops, g))
+                                segment_operands(ops, g), tile)
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -267,10 +309,18 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
     raise NotImplementedError(reason)
   if jax.default_backend() != "gpu":
     raise NotImplementedError("pallas-mosaic-gpu: needs a Hopper GPU")
+  explicit = config is not None
   config = resolve_config(spec, config)
   if not isinstance(config, MosaicConfig):
     raise ValueError(f"config must be a pallas_gpu.MosaicConfig, got "
                      f"{type(config).__name__}")
+  if has_additive_tile(spec) and (config.block_kv, config.stages) != (BIAS_BLOCK_KV, 2):
+    if explicit:
+      raise ValueError(f"with a bias or mask, block_kv must be {BIAS_BLOCK_KV} and "
+                       f"stages 2 (the additive tile shares shared memory with the "
+                       f"K/V ring), got block_kv={config.block_kv}, "
+                       f"stages={config.stages}")
+    config = dataclasses.replace(config, block_kv=BIAS_BLOCK_KV, stages=2)
   triton = pallas_triton._Static(
       config.backward or pallas_triton.resolve_config(spec, None, False), False)
   return vjp.attention(forward, backward, ops, spec, _Static(config, triton),
@@ -278,8 +328,8 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
 
 
 def flash_attention(q, k, v, *, config: MosaicConfig | None = None, **kwargs):
-  """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus bias,
-  mask and dropout."""
+  """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus
+  dropout, fp32, and a bias or mask broadcast along Sq or Sk."""
   ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
   out, lse = attention_from_operands(ops, spec, config)
   return (out, lse) if spec.return_lse else out

@@ -51,6 +51,12 @@ class Geometry:
   # Segment ids: the kernels take q and kv ids and a per-block table of the kv
   # (forward, dQ) or q (dK/dV) blocks the ids leave visible (segment_narrow).
   segments: bool = False
+  # Forward with an additive logit tile (a bias and/or a dense mask as 0 / -inf):
+  # its dtype, and whether the operand has a batch and a head axis (else one
+  # slice is broadcast).
+  bias_dtype: str | None = None
+  bias_batch: bool = True
+  bias_heads: bool = True
 
   @property
   def group(self) -> int:

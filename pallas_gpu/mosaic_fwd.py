@@ -32,6 +32,12 @@ whose ids can meet its rows' (a ``[B, 4, Sqp / block_q]`` table read as scalars,
 common/segments.py), so a packed call visits the blocks of its documents only;
 blocks that hold the rows' own single id are masked by the band alone. The warpgroup's q ids come with Q, each slot's kv
 ids with K (their own barriers), and are read into registers before K is released.
+
+Bias and dense mask (``Geometry.bias_dtype``): one additive tile ``[B|1, H|1, Sqp,
+Skp]`` (the bias plus 0 / -inf for the mask, built in XLA), copied per step with
+K, ``block_q`` rows by ``block_kv`` keys per warpgroup, each on its own barrier;
+each warpgroup reads its tile into registers before K is released and adds it to the scaled
+logits, so every step guards rows that are still all -inf.
 """
 
 from __future__ import annotations
@@ -64,15 +70,18 @@ def separate_out_smem(g: Geometry) -> bool:
   item = 2  # bf16/fp16
   q_bytes = 2 * g.block_q * g.head_dim * item
   ring = 2 * g.stages * g.block_kv * g.head_dim * item
+  if g.bias_dtype is not None:
+    ring += g.stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
-def forward(q, k, v, g: Geometry, segments=()):
+def forward(q, k, v, g: Geometry, segments=(), bias=None):
   """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded) ->
   ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
   ``segments`` (with ``g.segments``): q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` (int32)
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
-  (mosaic.segment_operands)."""
+  (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
+  operand ``[B|1, H|1, Sqp, Skp]``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
@@ -80,7 +89,8 @@ def forward(q, k, v, g: Geometry, segments=()):
   separate_o = separate_out_smem(g)
   tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, smem, bars, free, sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, smem, bars, free,
+             sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
@@ -92,6 +102,8 @@ def forward(q, k, v, g: Geometry, segments=()):
       visible = lambda b, i: tuple(vis_ref[b, j, i] for j in range(4))
     else:
       visible = None
+    if add is not None:
+      bias_ref, bias_smem, bias_bar = add
 
     def rendezvous():
       plgpu.barrier_arrive(sched)
@@ -130,6 +142,16 @@ def forward(q, k, v, g: Geometry, segments=()):
           plgpu.barrier_wait(qid_bar.at[wg])
           q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
+        def bias_tile(slot, load=True):
+          """This warpgroup's rows of the slot's additive tile (fp32 logits units
+          of the input), waited for by every step; None without one."""
+          if g.bias_dtype is None:
+            return None
+          plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
+          if not load:
+            return None
+          return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA)
+
         def kv_ids(slot, load=True):
           """The slot's kv ids in registers (read before K's slot is released) if
           ``load``; every step waits for them, so the barrier's phases stay in step."""
@@ -167,6 +189,7 @@ def forward(q, k, v, g: Geometry, segments=()):
 
           s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
           k_ids = kv_ids(slot, masked)
+          tile_bias = bias_tile(slot)
           plgpu.barrier_arrive(k_free.at[slot])
           if g.soft_cap is not None:
             cap = g.soft_cap
@@ -175,6 +198,8 @@ def forward(q, k, v, g: Geometry, segments=()):
             # The scale rides in the exp2 argument (one FMA per element); the row
             # max commutes with a positive scale.
             mult = scale2
+          if tile_bias is not None:
+            s2, mult = s2 * mult + tile_bias.astype(jnp.float32) * LOG2E, 1.0
           if masked:
             rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
                                           layout=plgpu.Layout.WGMMA) + r0
@@ -189,7 +214,8 @@ def forward(q, k, v, g: Geometry, segments=()):
             s2 = jnp.where(ok, s2, -jnp.inf)
           m_new = jnp.maximum(m, s2.max(axis=1) * mult)
           # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.
-          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          guard = masked or g.bias_dtype is not None
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
           alpha = jnp.exp2(m - shift)
           p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -211,6 +237,7 @@ def forward(q, k, v, g: Geometry, segments=()):
         def skip(s, carry):
           slot = slot_of(s)
           kv_ids(slot, False)
+          bias_tile(slot, False)
           plgpu.barrier_arrive(k_free.at[slot])
           wait_next_k(s)
           rendezvous()
@@ -292,6 +319,8 @@ def forward(q, k, v, g: Geometry, segments=()):
             lax.div(h, jnp.int32(g.group)))
         if g.segments:
           load_k = mosaic_pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
+        if g.bias_dtype is not None:
+          load_k = with_bias(load_k, b_idx, h, tile_coords(g, t)[2])
 
         @pl.loop(lo_c, hi_c)
         def _step(s):
@@ -301,10 +330,29 @@ def forward(q, k, v, g: Geometry, segments=()):
 
         return base + (hi_c - lo_c)
 
+      def with_bias(load, b_idx, h, tile):
+        def load_both(s, slot):
+          load(s, slot)
+          bi = b_idx if g.bias_batch else 0
+          hi = h if g.bias_heads else 0
+          for w in (0, 1):  # one copy and barrier per warpgroup's rows
+            rows = pl.ds(tile * (2 * bq) + w * bq, bq)
+            plgpu.copy_gmem_to_smem(bias_ref.at[bi, hi, rows, pl.ds(s * bk, bk)],
+                                    bias_smem.at[slot, w], bias_bar.at[2 * slot + w])
+        return load_both
+
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
+  n_in = len(segments) + (bias is not None)
+
+  if g.bias_dtype is not None:
+    # 128-byte swizzled rows: 64 two-byte or 32 four-byte elements per tile row.
+    item = jnp.dtype(g.bias_dtype).itemsize
+    bias_tiling = (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
+
   def entry(q_ref, k_ref, v_ref, *refs):
-    seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[len(segments):]
+    seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[n_in:]
+    bias_ref = refs[len(segments)] if bias is not None else None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -319,12 +367,22 @@ def forward(q, k, v, g: Geometry, segments=()):
                   (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
                   ) if g.segments else ()
 
-    def scoped_kernel(smem, bars, free, sched, seg_smem=(), seg_bars=()):
-      seg = (seg_refs, seg_smem, seg_bars) if g.segments else None
-      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, smem, bars, free, sched)
+    bias_scoped = ((plgpu.SMEM((stages, 2, bq, bk), jnp.dtype(g.bias_dtype),
+                               transforms=bias_tiling),
+                    plgpu.Barrier(num_barriers=2 * stages))
+                   if g.bias_dtype is not None else ())
+
+    def scoped_kernel(smem, bars, free, sched, *extra):
+      seg = add = None
+      if g.segments:
+        seg, extra = (seg_refs,) + tuple(extra[:2]), extra[2:]
+      if g.bias_dtype is not None:
+        add = (bias_ref,) + tuple(extra[:2])
+      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, smem, bars, free,
+             sched)
 
     pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
-                  *seg_scoped, collective_axes="wg")
+                  *seg_scoped, *bias_scoped, collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
@@ -336,7 +394,7 @@ def forward(q, k, v, g: Geometry, segments=()):
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, *segments)
+  )(q, k, v, *segments, *(() if bias is None else (bias,)))
   if tail is None:
     return outs
   out, lse, o_hi, o_lo, lse_part = outs

@@ -24,9 +24,20 @@ ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
   CAPS = conformance.Capabilities(
       name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
+      default_dtype="bfloat16",
       features=frozenset({"causal", "window", "soft_cap", "sinks", "lse",
-                          "segment_ids"}),
+                          "segment_ids", "bias", "mask"}),
       head_dim_ok=lambda d: d <= 256)
+
+  def expected_error(self, case):
+    """A bias or mask runs only over whole [Sq, Sk] slices, at head dims <= 128."""
+    reason = super().expected_error(case)
+    for shape in (case.bias_shape, case.mask_shape):
+      if reason is None and shape is not None:
+        whole = len(shape) >= 2 and shape[-2:] == (-1, -1)
+        if not whole or max(case.head_dim, case.head_dim_v or 0) > 128:
+          reason = f"bias/mask shape {shape} at head dim {case.head_dim}"
+    return reason
 
   def attention(self, q, k, v, **kwargs):
     return mosaic.flash_attention(q, k, v, **kwargs)
@@ -261,6 +272,12 @@ def test_supported_reasons():
   assert mosaic.supported(s(segment_ids=(
       jax.ShapeDtypeStruct((1, 64), jnp.int32),) * 2)) is None
   assert "dropout" in mosaic.supported(s(dropout_rate=0.1))
+  sd = jax.ShapeDtypeStruct
+  assert mosaic.supported(s(bias=sd((1, 2, 64, 64), jnp.float32))) is None
+  assert mosaic.supported(s(mask=sd((1, 1, 64, 64), jnp.bool_))) is None
+  assert "broadcast along Sq or Sk" in mosaic.supported(
+      s(bias=sd((1, 2, 1, 64), jnp.float32)))
+  assert "head dim 256" in mosaic.supported(s(d=256, mask=sd((1, 1, 64, 64), jnp.bool_)))
   if not ON_HOPPER:
     q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="Hopper"):
