@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 import logging
 
-import jax
+from .common import hardware
 
 log = logging.getLogger("flashjax")
 
@@ -49,29 +49,13 @@ def resolve(platform: str, backend: str) -> str:
   return name
 
 
-def is_hopper() -> bool:
-  try:
-    kind = jax.devices("gpu")[0].device_kind
-  except RuntimeError:
-    return False
-  return any(t in kind for t in ("H100", "H200", "H800", "H20", "GH200"))
-
-
-def num_sms() -> int:
-  """Multiprocessors of the default device (H100/H200 SXM: 132; also the value
-  used when lowering on a machine without a GPU)."""
-  dev = jax.devices()[0]
-  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-  return count or 132
-
-
 def preferred_order(backend: str) -> list[str]:
   if backend == "cpu":
     return ["xla"]
   if backend == "tpu":
     return ["pallas-tpu", "xla"]
   if backend in ("gpu", "cuda", "rocm"):
-    head = ["pallas-mosaic-gpu", "triton", "pallas-triton"] if is_hopper() else [
+    head = ["pallas-mosaic-gpu", "triton", "pallas-triton"] if hardware.is_hopper() else [
         "triton", "pallas-triton"]
     return head + ["xla"]
   return ["xla"]

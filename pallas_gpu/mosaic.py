@@ -16,9 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .. import registry
 from ..common import autotune as tuning
-from ..common import epilogue, vjp
+from ..common import epilogue, hardware, vjp
 from ..common import spec as spec_lib
 from . import pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
@@ -141,7 +140,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-      dtype=spec.dtype, persistent_ctas=registry.num_sms() if persistent else 0,
+      dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
       split_tail=config.split_tail)
 
 
@@ -184,7 +183,7 @@ def forward(ops, spec, static: _Static):
   # over the SMs instead (triton_decode.py).
   if triton_decode.applies(spec):
     return triton_decode.forward(ops, spec, None,
-                                 registry.num_sms(), False)
+                                 hardware.num_sms(), False)
   from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
   g = geometry(spec, static.config)
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),

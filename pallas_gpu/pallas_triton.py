@@ -9,10 +9,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .. import registry
 from ..common import spec as spec_lib
 from ..common import autotune as tuning
-from ..common import epilogue, launch, vjp
+from ..common import epilogue, hardware, launch, vjp
 from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
@@ -42,12 +41,12 @@ WIDE_BWD = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
 
 
 def default_config(spec: spec_lib.AttentionSpec,
-                   target: launch.GpuTarget | None = None) -> TritonConfig:
+                   target: hardware.GpuTarget | None = None) -> TritonConfig:
   """Tiles by head dim: larger heads leave room for fewer rows. Small problems get
   tiles no larger than their (power-of-two rounded) lengths. ``target`` (default:
   the default device's generation) sizes the streamed tiles to its shared
   memory; the long-key tiles and the split tail are Hopper's (measured there)."""
-  target = target or launch.gpu_target()
+  target = target or hardware.gpu_target()
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
     # Folded causal programs: 1.52x JAX's example vs 1.44-1.48x at B2 S8k (one run).
@@ -77,7 +76,7 @@ def default_config(spec: spec_lib.AttentionSpec,
     cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
                                         num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
   return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec,
-                                     budget=target.streamed_budget)
+                                     budget=launch.streamed_budget(target))
 
 
 def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
@@ -87,11 +86,11 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
 def forward(ops, spec, static: _Static):
   if triton_decode.applies(spec):
     return triton_decode.forward(ops, spec, None,
-                                 registry.num_sms(), static.interpret)
+                                 hardware.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
-  slots = (cfg.tail_slots or registry.num_sms()) if cfg.split_tail else 0
+  slots = (cfg.tail_slots or hardware.num_sms()) if cfg.split_tail else 0
   out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
                                 cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import dropout as dropout_lib
-from ..common import epilogue, vjp
+from ..common import epilogue, hardware, vjp
 from ..common import spec as spec_lib
 from ..common.blocking import pad_axis, pad_broadcastable
 from . import plan
@@ -42,9 +42,8 @@ def _compute_capability():
   idx = os.environ.get("GPU_IDX_FLASH_ATTN")
   if idx is None:
     return None
-  kind = jax.devices("gpu")[int(idx)]
-  major, minor = kind.compute_capability.split(".")
-  return int(major) * 10 + int(minor)
+  major, minor = hardware.compute_capability(jax.devices("gpu")[int(idx)])
+  return major * 10 + minor
 
 
 @dataclasses.dataclass(frozen=True)

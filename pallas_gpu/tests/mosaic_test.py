@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax import registry
-from flashjax.common import conformance, spec as spec_lib, tolerances
+from flashjax.common import conformance, hardware, spec as spec_lib, tolerances
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
-ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
+ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "

@@ -276,7 +276,7 @@ SPLIT_GPU_CASES = {
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 @pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
 def test_split_tail_forward_on_gpu(name):
-  from flashjax import registry
+  from flashjax.common import hardware
   from flashjax.pallas_gpu import triton_fwd
   case = SPLIT_GPU_CASES[name]
   s = spec.abstract_spec(batch=case.batch, seq_q=case.seq_q, seq_k=case.seq_k,
@@ -284,7 +284,7 @@ def test_split_tail_forward_on_gpu(name):
                          head_dim=case.head_dim, dtype=case.dtype)
   cfg = pallas_triton.default_config(s)
   plan = pallas_triton.tp.make_plans(s, cfg)["fwd"]
-  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, registry.num_sms())
+  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
   TestPallasTritonGpu().check(case)
 
 
@@ -367,7 +367,7 @@ def test_fp32_defaults_fit_shared_memory():
   # dots also stage the resident tile and the probabilities in shared memory (an
   # fp32 triton forward with 64-key tiles asked for 295424 bytes), so 3 stages of
   # 64 keys do not fit either.
-  from flashjax.common import launch
+  from flashjax.common import hardware, launch
   make = lambda dtype: spec.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=2,
                                           head_dim=128, dtype=dtype)
   bf16, fp32 = (pallas_triton.default_config(make(d)) for d in ("bfloat16", "float32"))
@@ -379,7 +379,7 @@ def test_fp32_defaults_fit_shared_memory():
       (fp32.dkv, fp32.dkv.block_q, fp32.dkv.block_kv * 128)):
     pipelined = cfg.num_stages * streamed * 256 * 4
     assert pipelined <= launch.SHARED_MEMORY_BUDGET
-    assert pipelined + 4 * resident <= launch.HOPPER.shared_memory
+    assert pipelined + 4 * resident <= hardware.HOPPER.shared_memory
 
 
 def test_bias_and_mask_tiles_count_in_the_shared_memory_fit():
@@ -478,28 +478,14 @@ def test_wide_head_backward_tiles():
   assert bf16_bias.dq == bf16_bias.dkv == pallas_triton.WIDE_BWD
 
 
-def test_gpu_generation_from_the_device():
-  import types
-  from flashjax.common import launch
-  dev = lambda cc, kind="NVIDIA": types.SimpleNamespace(
-      platform="gpu", compute_capability=cc, device_kind=kind)
-  assert launch.gpu_target(dev("9.0", "NVIDIA H200")).hopper
-  assert launch.gpu_target(dev("8.0", "NVIDIA A100-SXM4-80GB")).name == "ampere-datacenter"
-  assert launch.gpu_target(dev("8.9", "NVIDIA L40S")).shared_memory == 99 * 1024
-  assert launch.gpu_target(dev("gfx942", "AMD Instinct MI300X")) == launch.AMD
-  assert launch.gpu_target(dev("8.1")).name.startswith("ampere")  # same major
-  assert launch.gpu_target(dev("")) == launch.HOPPER  # unknown: as before
-  assert launch.gpu_target(types.SimpleNamespace(platform="cpu")) == launch.HOPPER
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_tiles_fit_every_generation(dtype):
   """The Triton-based platforms' default streamed tiles fit each generation's
   shared memory (with a full fp32 bias too); only Hopper gets the long-key tiles
   and the split tail."""
-  from flashjax.common import launch
+  from flashjax.common import hardware, launch
   from flashjax.triton_gpu import plan as triton_plan_gpu
-  targets = list(launch._BY_CAPABILITY.values()) + [launch.AMD]
+  targets = list(hardware.BY_CAPABILITY.values()) + [hardware.AMD]
   for target in targets:
     for d in (64, 128, 256):
       for bias in (None, jax.ShapeDtypeStruct((1, 4, 8192, 8192), "float32")):
@@ -515,7 +501,7 @@ def test_default_tiles_fit_every_generation(dtype):
             row = 2 * d * jnp.dtype(dtype).itemsize + (
                 4 * getattr(kernel, other) if bias is not None else 0)
             n = getattr(kernel, streamed)
-            assert n == 16 or kernel.num_stages * n * row <= target.streamed_budget, (
+            assert n == 16 or kernel.num_stages * n * row <= launch.streamed_budget(target), (
                 target.name, d, kernel)
         p = pallas_triton.default_config(s, target)
         long_tiles = p.fwd.block_kv == 128 and p.fwd.num_warps == 8
