@@ -4,26 +4,18 @@ Pallas' interpreter on any backend."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from ..common import spec as spec_lib
 from ..common import autotune as tuning
-from ..common import epilogue, hardware, launch, vjp
+from ..common import epilogue, hardware, launch, platform, vjp
 from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 256  # q, o accumulator and k/v tiles of 256 columns fill the SMEM
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: TritonConfig
-  interpret: bool
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
@@ -83,7 +75,7 @@ def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
   return launch.with_forward_blocks(default_config(spec), block_q, block_kv)
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   if triton_decode.applies(spec):
     return triton_decode.forward(ops, spec, None,
                                  hardware.num_sms(), static.interpret)
@@ -96,7 +88,7 @@ def forward(ops, spec, static: _Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   plans = tp.make_plans(spec, static.config, fast_exp2=not static.interpret)
   x = tp.prepare(ops, plans["dq"])
   sqp = plans["dq"].seq_q_padded
@@ -139,7 +131,7 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
   if not isinstance(config, TritonConfig):
     raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
                      f"{type(config).__name__}")
-  return vjp.attention(forward, backward, ops, spec, _Static(config, bool(interpret)),
+  return vjp.attention(forward, backward, ops, spec, platform.Static(config, bool(interpret)),
                        per_shard=True)
 
 

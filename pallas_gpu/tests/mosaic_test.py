@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax.common import conformance, hardware, spec as spec_lib, tolerances
+from flashjax.common import conformance, hardware, platform, spec as spec_lib, tolerances
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
@@ -236,7 +236,7 @@ def test_every_variant_lowers_for_cuda(variant):
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
-    static = mosaic._Static(config, pallas_triton._Static(
+    static = mosaic._Static(config, platform.Static(
         pallas_triton.default_config(spec), False))
     out, lse = mosaic.forward(ops, spec, static)
     return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax.common import conformance, conformance_kvcache, conformance_packed, spec, tolerances
+from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
+                             spec, tolerances)
 from flashjax.pallas_gpu import pallas_triton, triton_tail
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
@@ -193,7 +194,7 @@ def test_split_tail_lowers_for_cuda():
 
   def fwd(q, k, v):
     ops, s = spec.canonicalize(q, k, v)
-    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    static = platform.Static(pallas_triton.default_config(s), False)
     return pallas_triton.forward(ops, s, static)
 
   text = jax.jit(fwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
@@ -554,7 +555,7 @@ def test_segment_ranges_lower_for_cuda():
 
   def fwd_bwd(q, k, v, ids):
     ops, s = spec.canonicalize(q, k, v, segment_ids=(ids, ids), causal=True)
-    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    static = platform.Static(pallas_triton.default_config(s), False)
     out, lse = pallas_triton.forward(ops, s, static)
     return pallas_triton.backward(ops, s, static, out, lse, out, lse)
 
