@@ -48,7 +48,12 @@ def _call(name, ops, spec, config, block_sizes, interpret):
       mod, "config_from_block_sizes"):
     config = mod.config_from_block_sizes(spec, *block_sizes)
   kwargs = {"interpret": interpret} if interpret else {}
-  return mod.attention_from_operands(ops, spec, config, **kwargs)
+  try:
+    return mod.attention_from_operands(ops, spec, config, **kwargs)
+  except NotImplementedError as e:
+    if type(e) is not NotImplementedError:  # vjp.SecondOrderError: not this platform's
+      raise
+    raise NotImplementedError(f"{name}: {e}") from e
 
 
 def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=None,
@@ -74,7 +79,7 @@ def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=Non
       except vjp.SecondOrderError:
         raise  # not a gap of this platform: every platform says the same
       except NotImplementedError as e:
-        reason = f"{name}: {e}"
+        reason = str(e)
       else:
         if reasons:
           registry.log_once(f"flashjax: running {name}; skipped: " + "; ".join(reasons))

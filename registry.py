@@ -1,10 +1,12 @@
 """Platform registry and automatic choice.
 
-A platform registers only if its module imports; each exposes
-``supported(spec) -> None | reason`` and ``attention_from_operands(ops, spec,
-config)``. The frontend walks an ordered list per backend, moves on after a
-reason or a ``NotImplementedError`` (logged once), and reports every reason if all
-fail. An explicitly named platform that cannot run raises with its reason.
+A platform registers only if its module imports; each follows the protocol of
+``common/platform.py`` (``supported(spec) -> None | reason``, ``CONFIG``,
+``attention_from_operands(ops, spec, config)``, ...), and its reasons and errors
+name no platform: the frontend adds the name. The frontend walks an ordered list
+per backend, moves on after a reason or a ``NotImplementedError`` (logged once),
+and reports every reason if all fail. An explicitly named platform that cannot run
+raises with its reason.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def reason_unsupported(name: str, spec, backend: str) -> str | None:
   except NotImplementedError as e:
     return str(e)
   reason = mod.supported(spec)
-  return f"{name}: {reason}" if reason and not reason.startswith(name + ":") else reason
+  return f"{name}: {reason}" if reason else None
 
 
 _logged: set = set()

@@ -142,11 +142,3 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
   return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv", "block_q", dq, True),
                              dq=fit(cfg.dq, "block_kv", "block_q", wide),
                              dkv=fit(cfg.dkv, "block_q", "block_kv", wide))
-
-
-def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:
-  """``cfg`` with its forward tiles overridden where given (jax-flash-attn2's
-  ``blocksize_q``/``blocksize_k`` and environment variables)."""
-  return dataclasses.replace(cfg, fwd=dataclasses.replace(
-      cfg.fwd, block_q=block_q or cfg.fwd.block_q,
-      block_kv=block_kv or cfg.fwd.block_kv))

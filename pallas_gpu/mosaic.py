@@ -21,23 +21,20 @@ from ..common import epilogue, hardware, platform, vjp
 from ..common import spec as spec_lib
 from . import mosaic_autotune, pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
-from .mosaic_config import (BACKWARD_KERNELS, HEAD_DIMS, MOSAIC_BWD_MAX_HEAD_DIM,
-                            MosaicConfig, default_config, padded_head_dim,
+from .mosaic_config import (HEAD_DIMS, MosaicConfig, default_config, padded_head_dim,
                             uses_mosaic_backward)
 
+NAME = "pallas-mosaic-gpu"
+CONFIG = MosaicConfig
 DTYPES = ("bfloat16", "float16")
 UNSUPPORTED = ("bias", "mask", "segment_ids", "dropout")
+CAPABILITIES = platform.Capabilities(
+    dtypes=DTYPES, max_head_dim=HEAD_DIMS[-1],
+    features=frozenset(spec_lib.FEATURES) - set(UNSUPPORTED))
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  if spec.dtype not in DTYPES:
-    return f"pallas-mosaic-gpu: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
-  if padded_head_dim(spec) is None:
-    return f"pallas-mosaic-gpu: head dim {max(spec.head_dim, spec.head_dim_v)} > 256"
-  used = sorted(spec.features & set(UNSUPPORTED))
-  if used:
-    return f"pallas-mosaic-gpu: features {', '.join(used)} not in this kernel"
-  return None
+  return CAPABILITIES.unsupported(spec)
 
 
 def geometry(spec, config: MosaicConfig) -> Geometry:
@@ -76,17 +73,11 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
                    stages=config.dkv_stages, **common))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: MosaicConfig
-  triton: platform.Static  # the Pallas-Triton backward's (D > 128)
-
-
 def _pad(x, seq, d):
   return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, d - x.shape[3])))
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton_decode.py).
   if triton_decode.applies(spec):
@@ -100,9 +91,10 @@ def forward(ops, spec, static: _Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if not uses_mosaic_backward(spec, static.config):
-    return pallas_triton.backward(ops, spec, static.triton, out, lse, do, dlse)
+    return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
+                                  out, lse, do, dlse)
   from . import mosaic_bwd  # imports Mosaic-GPU lowering only when used
   g_dq, g_dkv = backward_geometries(spec, static.config)
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
@@ -142,21 +134,15 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError("pallas-mosaic-gpu: needs a Hopper GPU")
-  config = resolve_config(spec, config)
-  if not isinstance(config, MosaicConfig):
-    raise ValueError(f"config must be a pallas_gpu.MosaicConfig, got "
-                     f"{type(config).__name__}")
-  triton = platform.Static(
-      config.backward or pallas_triton.resolve_config(spec, None, False), False)
-  return vjp.attention(forward, backward, ops, spec, _Static(config, triton),
+  if jax.default_backend() != "gpu" or not hardware.is_hopper():
+    raise NotImplementedError("needs a Hopper GPU")
+  config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
+  # The Pallas-Triton backward's tiles (D > 128) travel in the config.
+  config = dataclasses.replace(config, backward=config.backward or
+                               pallas_triton.resolve_config(spec, None, False))
+  return vjp.attention(forward, backward, ops, spec, platform.Static(config),
                        per_shard=True)
 
 
-def flash_attention(q, k, v, *, config: MosaicConfig | None = None, **kwargs):
-  """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus bias,
-  mask, segment ids and dropout."""
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config)
-  return (out, lse) if spec.return_lse else out
+# The contract minus bias, mask, segment ids and dropout (CAPABILITIES).
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

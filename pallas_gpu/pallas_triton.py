@@ -14,12 +14,16 @@ from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
-MAX_HEAD_DIM = 256  # q, o accumulator and k/v tiles of 256 columns fill the SMEM
+NAME = "pallas-triton"
+CONFIG = TritonConfig
+# The whole contract; D <= 256: q, the o accumulator and k/v tiles of 256 columns
+# fill the shared memory.
+CAPABILITIES = platform.Capabilities(dtypes=("float32", "bfloat16", "float16"),
+                                     max_head_dim=256, interpret=True)
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  return spec_lib.unsupported_dtype_or_head_dim(spec, "pallas-triton", DTYPES, MAX_HEAD_DIM)
+  return CAPABILITIES.unsupported(spec)
 
 
 # Backward tiles for heads wider than 128: 64x64 over 8 warps (the dK/dV or dQ
@@ -71,8 +75,8 @@ def default_config(spec: spec_lib.AttentionSpec,
                                      budget=launch.streamed_budget(target))
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
-  return launch.with_forward_blocks(default_config(spec), block_q, block_kv)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k``: the forward's tiles.
+config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
 def forward(ops, spec, static: platform.Static):
@@ -126,19 +130,13 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
   if reason:
     raise NotImplementedError(reason)
   if not interpret and jax.default_backend() != "gpu":
-    raise NotImplementedError("pallas-triton: needs a GPU, or interpret=True")
-  config = resolve_config(spec, config, interpret)
-  if not isinstance(config, TritonConfig):
-    raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
-                     f"{type(config).__name__}")
-  return vjp.attention(forward, backward, ops, spec, platform.Static(config, bool(interpret)),
-                       per_shard=True)
+    raise NotImplementedError("needs a GPU, or interpret=True")
+  config = platform.check_config(resolve_config(spec, config, interpret), TritonConfig,
+                                 NAME)
+  return vjp.attention(forward, backward, ops, spec,
+                       platform.Static(config, bool(interpret)), per_shard=True)
 
 
-def flash_attention(q, k, v, *, config: TritonConfig | None = None,
-                    interpret: bool = False, **kwargs):
-  """Pallas-Triton flash attention; the contract of docs/DESIGN.md. fp32 inputs use
-  full-precision (IEEE) products unless ``config.fp32_precision == "tf32"``."""
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config, interpret)
-  return (out, lse) if spec.return_lse else out
+# fp32 inputs use full-precision (IEEE) products unless
+# ``config.fp32_precision == "tf32"``.
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

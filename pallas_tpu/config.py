@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import hardware
+from ..common import hardware, platform
 
 NUM_LANES = 128
 
@@ -67,8 +67,6 @@ def default_config(spec) -> TpuConfig:
   return TpuConfig(fwd=clip(base.fwd), bwd=clip(base.bwd))
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TpuConfig:
-  base = default_config(spec)
-  blocks = BlockSizes(block_q=block_q or base.fwd.block_q,
-                      block_kv=block_kv or base.fwd.block_kv)
-  return TpuConfig(fwd=blocks, bwd=blocks)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k``: the forward's and the
+# backward's blocks.
+config_from_block_sizes = platform.block_sizes(default_config, ("fwd", "bwd"))

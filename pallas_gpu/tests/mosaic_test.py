@@ -21,10 +21,7 @@ ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(
-      name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
-      features=frozenset({"causal", "window", "soft_cap", "sinks", "lse"}),
-      head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(mosaic.CAPABILITIES, name="pallas-mosaic-gpu")
 
   def attention(self, q, k, v, **kwargs):
     return mosaic.flash_attention(q, k, v, **kwargs)
@@ -224,7 +221,7 @@ def test_every_variant_lowers_for_cuda(variant):
                                  split_tail=split_tail)
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
-    static = mosaic._Static(config, None)
+    static = platform.Static(config)
     return mosaic.forward(ops, spec, static)
 
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
@@ -236,8 +233,8 @@ def test_every_variant_lowers_for_cuda(variant):
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
-    static = mosaic._Static(config, platform.Static(
-        pallas_triton.default_config(spec), False))
+    static = platform.Static(dataclasses.replace(
+        config, backward=pallas_triton.default_config(spec)))
     out, lse = mosaic.forward(ops, spec, static)
     return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
 

@@ -23,9 +23,9 @@ SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
 
 
 class TestPallasTritonInterpret(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret]",
-                                  head_dim_ok=lambda d: d <= 256, max_seq_len=400,
-                                  hypothesis_examples=6)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret]", max_seq_len=400,
+                                     hypothesis_examples=6)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, **kwargs)
@@ -35,9 +35,9 @@ class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
   """Different tiles per kernel: many edge tiles, shared padding, folded causal
   forward programs."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret,small]",
-                                  head_dim_ok=lambda d: d <= 256, max_seq_len=300,
-                                  hypothesis_examples=4)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret,small]",
+                                     max_seq_len=300, hypothesis_examples=4)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, config=SMALL,
@@ -47,8 +47,8 @@ class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 class TestPallasTritonGpu(conformance.ConformanceSuite):
   # fp32 runs IEEE products by default, so the fp32 tolerance stands.
-  CAPS = conformance.Capabilities(name="pallas-triton[gpu]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[gpu]")
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, **kwargs)
@@ -58,8 +58,8 @@ class _FoldedLongTiles(conformance.ConformanceSuite):
   """The D = 128 long-key tiles with folded causal programs (not collected: the
   cases below pick what it runs)."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[gpu,folded]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[gpu,folded]")
   CONFIG = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
                                          num_stages=3),
                         dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
@@ -238,8 +238,8 @@ class _SplitTailInterpret(conformance.ConformanceSuite):
   """Outputs and gradients against the reference with the last wave split (not
   collected: the cases below pick what it runs)."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret,split-tail]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret,split-tail]")
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, config=SPLIT,
