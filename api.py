@@ -68,8 +68,11 @@ def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=Non
     if reason:
       raise NotImplementedError(f"platform {platform!r} cannot run this call: {reason}")
     return _call(name, ops, spec, config, block_sizes, interpret)
+  order = registry.preferred_order(backend)
+  if config is not None:
+    order = [_platform_of_config(config, order, spec, backend)]
   reasons = []
-  for name in registry.preferred_order(backend):
+  for name in order:
     reason = registry.reason_unsupported(name, spec, backend)
     if reason is None and interpret and not name.startswith("pallas"):
       reason = f"{name}: has no interpret mode (interpret=True)"
@@ -87,6 +90,26 @@ def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=Non
     reasons.append(reason)
   raise NotImplementedError("no platform can run this call on backend "
                             f"{backend!r}:\n  " + "\n  ".join(reasons))
+
+
+def _platform_of_config(config, order, spec, backend) -> str:
+  """The platform of ``order`` whose config ``config`` is: a config is never
+  handed to another platform (a Mosaic config reaching Triton would be read
+  wrongly or not at all). ``ValueError`` naming the config's type and the platform
+  the automatic choice takes if none is."""
+  for name in order:
+    try:
+      if type(config) is registry.load(name).CONFIG:
+        return name
+    except NotImplementedError:  # does not import here
+      continue
+  chosen = next((n for n in order if registry.reason_unsupported(n, spec, backend)
+                 is None), order[-1])
+  raise ValueError(
+      f"config is a {type(config).__name__}, not a config of the platform the "
+      f"automatic choice takes here ({chosen!r} on backend {backend!r}, which takes "
+      f"a {registry.load(chosen).CONFIG.__name__}) nor of another in its order "
+      f"{order}: pass platform= naming the config's platform, or no config")
 
 
 def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
@@ -117,7 +140,9 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
     platform: "xla" (alias "jax"), "pallas", "pallas-triton", "triton"; default:
       the backend's preferred order, falling through on NotImplementedError.
       Also set by the environment variable ``FLASHJAX_PLATFORM``.
-    config: the chosen platform's tuning config (e.g. ``xla_cpu.XlaConfig``).
+    config: a platform's tuning config (e.g. ``xla_cpu.XlaConfig``); with
+      automatic choice it pins the call to that platform (``ValueError`` if it
+      is not in the backend's order).
     interpret: run Pallas kernels in interpret mode (CPU, for checking logic).
 
   Returns:

@@ -279,6 +279,20 @@ def test_every_platform_follows_the_protocol():
       assert registry.reason_unsupported(name, wide, backend) == f"{name}: {reason}"
 
 
+def test_config_pins_the_automatic_choice_to_its_platform():
+  """A config runs on its own platform or raises; it never reaches another."""
+  from flashjax import pallas_tpu, xla_cpu
+  q, k, v = _qkv(seed=14)
+  out = flashjax.flash_attention(q, k, v, causal=True,
+                                 config=xla_cpu.XlaConfig(block_q=16, block_kv=32))
+  _close(out, reference.attention(q, k, v, causal=True))
+  with pytest.raises(ValueError, match=r"config is a TpuConfig.*\('xla' on backend "
+                     r"'cpu', which takes a XlaConfig\)"):
+    flashjax.flash_attention(q, k, v, config=pallas_tpu.TpuConfig())
+  with pytest.raises(ValueError, match="config must be a XlaConfig"):
+    flashjax.flash_attention(q, k, v, platform="xla", config=pallas_tpu.TpuConfig())
+
+
 def test_platform_aliases():
   assert registry.resolve("jax", "cpu") == "xla"
   assert registry.resolve("pallas", "tpu") == "pallas-tpu"
