@@ -251,12 +251,6 @@ def test_platform_environment_variable(monkeypatch):
     flashjax.flash_attention(q, k, v)
 
 
-def test_force_mha_environment_variable(monkeypatch):
-  monkeypatch.setenv("FORCE_MHA", "1")
-  q, k, v = _qkv(seed=11)
-  _close(flashjax.flash_attention(q, k, v), reference.attention(q, k, v))
-
-
 def test_every_platform_follows_the_protocol():
   """common/platform.py: each registered platform declares its name, capabilities
   and config type, and its reasons name no platform (the registry adds it)."""
