@@ -276,9 +276,9 @@ def test_every_platform_follows_the_protocol():
 def test_config_pins_the_automatic_choice_to_its_platform():
   """A config runs on its own platform or raises; it never reaches another."""
   from flashjax import pallas_tpu, xla_cpu
-  q, k, v = _qkv(seed=14)
+  q, k, v = _qkv(b=1, sq=40, sk=40, hq=2, hkv=1, d=16, seed=14)
   out = flashjax.flash_attention(q, k, v, causal=True,
-                                 config=xla_cpu.XlaConfig(block_q=16, block_kv=32))
+                                 config=xla_cpu.XlaConfig(block_q=16, block_kv=16))
   _close(out, reference.attention(q, k, v, causal=True))
   with pytest.raises(ValueError, match=r"config is a TpuConfig.*\('xla' on backend "
                      r"'cpu', which takes a XlaConfig\)"):
