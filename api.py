@@ -33,10 +33,11 @@ def detect_backend(backend, q) -> str:
 
 
 def _call(name, ops, spec, config, block_sizes, interpret):
-  if interpret and not name.startswith("pallas"):
-    raise ValueError(f"interpret=True runs Pallas kernels in interpret mode; platform"
-                     f" {name!r} has none (use platform='pallas' or 'pallas-triton')")
   mod = registry.load(name)
+  if interpret and not mod.CAPABILITIES.interpret:
+    raise ValueError(f"interpret=True runs Pallas kernels in interpret mode; platform"
+                     f" {name!r} has none (use platform='pallas' with backend='tpu',"
+                     " or 'pallas-triton')")
   if config is None and block_sizes is not None and hasattr(
       mod, "config_from_block_sizes"):
     config = mod.config_from_block_sizes(spec, *block_sizes)
@@ -67,7 +68,7 @@ def dispatch(ops, spec, *, backend: str, platform: str | None = None, config=Non
   reasons = []
   for name in order:
     reason = registry.reason_unsupported(name, spec, backend)
-    if reason is None and interpret and not name.startswith("pallas"):
+    if reason is None and interpret and not registry.load(name).CAPABILITIES.interpret:
       reason = f"{name}: has no interpret mode (interpret=True)"
     if reason is None:
       try:

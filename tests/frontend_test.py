@@ -234,6 +234,11 @@ def test_explicit_platform_that_cannot_run_raises_with_reason():
     flashjax.flash_attention(q, k, v, backend="metal")
   with pytest.raises(ValueError, match="interpret=True"):
     flashjax.flash_attention(q, k, v, platform="xla", interpret=True)
+  # Mosaic-GPU is a Pallas platform without an interpret mode (its capabilities say).
+  qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  with pytest.raises(ValueError, match="'pallas-mosaic-gpu' has none"):
+    flashjax.flash_attention(qb, kb, vb, platform="pallas", backend="gpu",
+                             interpret=True)
 
 
 def test_no_platform_left_reports_every_reason(monkeypatch):
