@@ -8,8 +8,9 @@ subpackages (and triton) are imported when first used.
 
 __version__ = "0.1.0"
 
-from .api import (flash_attention, flash_mha, flash_mha_varlen,
-                  get_cached_flash_attention)
+from .api import flash_attention
+from .compat.flash_attn_jax import flash_mha, flash_mha_varlen
+from .compat.jax_flash_attn2 import get_cached_flash_attention
 from .common.spec import FEATURES, AttentionSpec
 from .compat.jax_nn import dot_product_attention
 from .inference import flash_mha_with_kvcache

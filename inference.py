@@ -23,6 +23,7 @@ import os
 
 from . import registry
 from .api import detect_backend
+from .common import hardware
 from .common import kvcache as kv
 
 
@@ -138,7 +139,7 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
   elif name == "pallas-triton":
     from .pallas_gpu import triton_kvcache
     out, lse = triton_kvcache.attention(prep, ops.sinks, spec, config,
-                                        registry.num_sms(), interpret=interpret)
+                                        hardware.num_sms(), interpret=interpret)
   else:
     from .xla_cpu import kvcache as xla_kvcache
     out, lse = xla_kvcache.attention(prep, ops.sinks, spec, config)

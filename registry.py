@@ -1,10 +1,12 @@
 """Platform registry and automatic choice.
 
-A platform registers only if its module imports; each exposes
-``supported(spec) -> None | reason`` and ``attention_from_operands(ops, spec,
-config)``. The frontend walks an ordered list per backend, moves on after a
-reason or a ``NotImplementedError`` (logged once), and reports every reason if all
-fail. An explicitly named platform that cannot run raises with its reason.
+A platform registers only if its module imports; each follows the protocol of
+``common/platform.py`` (``supported(spec) -> None | reason``, ``CONFIG``,
+``attention_from_operands(ops, spec, config)``, ...), and its reasons and errors
+name no platform: the frontend adds the name. The frontend walks an ordered list
+per backend, moves on after a reason or a ``NotImplementedError`` (logged once),
+and reports every reason if all fail. An explicitly named platform that cannot run
+raises with its reason.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import importlib
 import logging
 
-import jax
+from .common import hardware
 
 log = logging.getLogger("flashjax")
 
@@ -49,29 +51,13 @@ def resolve(platform: str, backend: str) -> str:
   return name
 
 
-def is_hopper() -> bool:
-  try:
-    kind = jax.devices("gpu")[0].device_kind
-  except RuntimeError:
-    return False
-  return any(t in kind for t in ("H100", "H200", "H800", "H20", "GH200"))
-
-
-def num_sms() -> int:
-  """Multiprocessors of the default device (H100/H200 SXM: 132; also the value
-  used when lowering on a machine without a GPU)."""
-  dev = jax.devices()[0]
-  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-  return count or 132
-
-
 def preferred_order(backend: str) -> list[str]:
   if backend == "cpu":
     return ["xla"]
   if backend == "tpu":
     return ["pallas-tpu", "xla"]
   if backend in ("gpu", "cuda", "rocm"):
-    head = ["pallas-mosaic-gpu", "triton", "pallas-triton"] if is_hopper() else [
+    head = ["pallas-mosaic-gpu", "triton", "pallas-triton"] if hardware.is_hopper() else [
         "triton", "pallas-triton"]
     return head + ["xla"]
   return ["xla"]
@@ -96,7 +82,7 @@ def reason_unsupported(name: str, spec, backend: str) -> str | None:
   except NotImplementedError as e:
     return str(e)
   reason = mod.supported(spec)
-  return f"{name}: {reason}" if reason and not reason.startswith(name + ":") else reason
+  return f"{name}: {reason}" if reason else None
 
 
 _logged: set = set()

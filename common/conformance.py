@@ -1,11 +1,11 @@
 """The conformance suite every platform instantiates.
 
 A platform's test module subclasses :class:`ConformanceSuite` (pytest collects
-``Test*`` classes, so the base itself never runs), sets ``CAPS`` and implements
-``attention``::
+``Test*`` classes, so the base itself never runs), sets ``CAPS`` from the
+platform's declared ``CAPABILITIES`` and implements ``attention``::
 
     class TestXlaCpu(conformance.ConformanceSuite):
-      CAPS = conformance.Capabilities(name="xla")
+      CAPS = conformance.Capabilities.of(xla_cpu.CAPABILITIES, name="xla")
 
       def attention(self, q, k, v, **kwargs):
         return xla_cpu.flash_attention(q, k, v, **kwargs)
@@ -59,6 +59,15 @@ class Capabilities:
   default_dtype: str = "float32"
   forward_tol: dict = dataclasses.field(default_factory=dict)
   grad_tol: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, declared, *, name: str, **settings) -> "Capabilities":
+    """The flags a platform declares once (its ``CAPABILITIES``, a
+    ``common.platform.Capabilities``: features, dtypes, head dims) with this
+    suite instance's ``settings`` (sequence limit, examples, tolerances)."""
+    return cls(name=name, features=frozenset(declared.features),
+               dtypes=tuple(declared.dtypes), head_dim_ok=declared.head_dim_ok,
+               **settings)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from . import hardware
+
 
 def tile_size(n: int) -> int:
   """``n`` rounded up to a power of two, at least 16: Triton's tile sides (and the
@@ -72,70 +74,20 @@ def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
   return dataclasses.replace(cfg, fwd=clip(cfg.fwd), dq=clip(cfg.dq), dkv=clip(cfg.dkv))
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-  """What the tile heuristics need to know of a GPU generation.
-
-  ``shared_memory`` is what one block may use; the pipelined input tiles get all
-  but 27 KiB of it (the Q or dO tile and layout conversions take the rest: the
-  split measured on Hopper, 200 of 227 KiB). ``hopper``: the long-key tiles and
-  the split tail of the Pallas-Triton forward were measured there (one 8-warp
-  128x128 program per SM), so only there are they the default."""
-
-  name: str
-  shared_memory: int
-  hopper: bool = False
-
-  @property
-  def streamed_budget(self) -> int:
-    return self.shared_memory - RESERVED
-
-
-# Shared memory left to the resident tiles of 2-byte inputs (measured on Hopper).
+# Shared memory left to the resident tiles of 2-byte inputs (measured on Hopper):
+# the pipelined input tiles get all but this much of a block's shared memory (the
+# Q or dO tile and layout conversions take the rest: 200 of 227 KiB).
 RESERVED = 27 * 1024
 
-HOPPER = GpuTarget("hopper/blackwell-datacenter", 227 * 1024, hopper=True)
-# Per-block shared memory by CUDA compute capability (CUDA programming guide), and
-# AMD's 64 KiB LDS. Only Hopper's tiles are measured; the others are sized to fit.
-_BY_CAPABILITY = {
-    (7, 0): GpuTarget("volta", 96 * 1024),
-    (7, 5): GpuTarget("turing", 64 * 1024),
-    (8, 0): GpuTarget("ampere-datacenter", 163 * 1024),
-    (8, 6): GpuTarget("ampere", 99 * 1024),
-    (8, 7): GpuTarget("ampere-orin", 163 * 1024),
-    (8, 9): GpuTarget("ada", 99 * 1024),
-    (9, 0): HOPPER,
-    (10, 0): GpuTarget("blackwell-datacenter", 227 * 1024),
-    (12, 0): GpuTarget("blackwell", 99 * 1024),
-}
-AMD = GpuTarget("amd", 64 * 1024)
 
-
-def gpu_target(device=None) -> GpuTarget:
-  """The default device's generation; Hopper where there is no GPU (lowering and
-  interpret mode on CPU) or the generation is unknown."""
-  import jax
-  dev = device or jax.devices()[0]
-  if dev.platform != "gpu":
-    return HOPPER
-  cc = str(getattr(dev, "compute_capability", "") or "")
-  kind = getattr(dev, "device_kind", "")
-  if cc.startswith("gfx") or any(t in kind for t in ("AMD", "Instinct", "Radeon")):
-    return AMD
-  try:
-    major, minor = (int(x) for x in cc.split(".")[:2])
-  except ValueError:
-    return HOPPER
-  exact = _BY_CAPABILITY.get((major, minor))
-  if exact is not None:
-    return exact
-  same_major = [t for (ma, _), t in sorted(_BY_CAPABILITY.items()) if ma == major]
-  return same_major[0] if same_major else HOPPER
+def streamed_budget(target: hardware.GpuTarget) -> int:
+  """Shared memory of ``target`` that the pipelined input tiles may take."""
+  return target.shared_memory - RESERVED
 
 
 # Of the 227 KiB of shared memory a Hopper block may use, what the pipelined input
 # tiles may take (the rest: Q or dO tiles, layout conversions).
-SHARED_MEMORY_BUDGET = HOPPER.streamed_budget
+SHARED_MEMORY_BUDGET = streamed_budget(hardware.HOPPER)
 
 
 def fit_to_shared_memory(cfg: KernelsConfig, spec,
@@ -190,11 +142,3 @@ def fit_to_shared_memory(cfg: KernelsConfig, spec,
   return dataclasses.replace(cfg, fwd=fit(cfg.fwd, "block_kv", "block_q", dq, True),
                              dq=fit(cfg.dq, "block_kv", "block_q", wide),
                              dkv=fit(cfg.dkv, "block_q", "block_kv", wide))
-
-
-def with_forward_blocks(cfg: KernelsConfig, block_q=None, block_kv=None) -> KernelsConfig:
-  """``cfg`` with its forward tiles overridden where given (jax-flash-attn2's
-  ``blocksize_q``/``blocksize_k`` and environment variables)."""
-  return dataclasses.replace(cfg, fwd=dataclasses.replace(
-      cfg.fwd, block_q=block_q or cfg.fwd.block_q,
-      block_kv=block_kv or cfg.fwd.block_kv))

@@ -312,17 +312,6 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
   return ops, spec
 
 
-def unsupported_dtype_or_head_dim(spec: AttentionSpec, platform: str, dtypes,
-                                  max_head_dim: int) -> str | None:
-  """The reason ``platform`` cannot run ``spec``'s dtype or head dims, or None."""
-  if spec.dtype not in dtypes:
-    return f"{platform}: dtype {spec.dtype} (supported: {', '.join(dtypes)})"
-  d = max(spec.head_dim, spec.head_dim_v)
-  if d > max_head_dim:
-    return f"{platform}: head dim {d} > {max_head_dim}"
-  return None
-
-
 def abstract_spec(*, batch, seq_q, seq_k, heads_q, head_dim, heads_kv=None,
                   head_dim_v=None, dtype="bfloat16", **features) -> AttentionSpec:
   """An :class:`AttentionSpec` from sizes alone (for ``supported`` queries,

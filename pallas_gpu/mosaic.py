@@ -20,135 +20,37 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .. import registry
 from ..common import autotune as tuning
-from ..common import epilogue, segments, vjp
+from ..common import epilogue, hardware, platform, segments, vjp
 from ..common import spec as spec_lib
-from . import pallas_triton, triton_decode
+from . import mosaic_autotune, pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
+from .mosaic_config import (BIAS_BLOCK_KV, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
+                            default_config, has_additive_tile, padded_head_dim,
+                            uses_mosaic_backward)
 
+NAME = "pallas-mosaic-gpu"
+CONFIG = MosaicConfig
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
 UNSUPPORTED = ("dropout",)
-# The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
-# blocks beside it in shared memory.
-BIAS_MAX_HEAD_DIM = 128
-BIAS_BLOCK_KV = 64
-
-
-BACKWARD_KERNELS = ("mosaic", "triton")
-MOSAIC_BWD_MAX_HEAD_DIM = 128
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MosaicConfig:
-  """Forward and backward tiles; ``backward`` configures the Pallas-Triton
-  backward where that one runs.
-
-  Attributes:
-    block_q: forward and dQ query rows per compute warpgroup (a CTA owns two).
-    block_kv: forward keys per pipeline step.
-    stages: forward K/V shared-memory slots in flight.
-    persistent: forward with one CTA per SM walking the q tiles (True), one CTA
-      per q tile (False), or None: persistent unless the band is causal or a
-      window (uneven tiles balance better on the hardware scheduler).
-    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
-      <= 128) or "triton" (Pallas-Triton's backward).
-    dq_block_kv: dQ keys per pipeline step.
-    dq_stages: dQ K/V shared-memory slots in flight.
-    dkv_block_q: dK/dV query rows per pipeline step.
-    dkv_block_kv: dK/dV keys per compute warpgroup (a CTA owns two).
-    dkv_stages: dK/dV Q/dO shared-memory slots in flight.
-    bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
-      instead of two) rather than one after the other.
-    split_tail: the persistent forward runs its last, partial round of q tiles
-      as key ranges merged by a small second kernel (triton_tail.py); applies to
-      the full band only, where the plan finds a split that pays. The default
-      config turns it on for D <= 64 with more than 2048 keys only. On an H200
-      (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward
-      4.8% faster; at D = 128 it was 1.1% faster at B2 S8k but 1.4% slower at
-      B8 S2k and mixed at B1 S16k, so it stays off there.
-  """
-
-  block_q: int = 64
-  block_kv: int = 128
-  stages: int = 2
-  persistent: bool | None = None
-  backward_kernel: str = "mosaic"
-  dq_block_kv: int = 64
-  dq_stages: int = 2
-  dkv_block_q: int = 64
-  dkv_block_kv: int = 64
-  dkv_stages: int = 2
-  bwd_one_launch: bool = True
-  split_tail: bool = False
-  backward: pallas_triton.TritonConfig | None = None
-
-  def __post_init__(self):
-    if self.block_q != 64:
-      raise ValueError(f"block_q must be 64 (one wgmma M tile), got {self.block_q}")
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
-    for name in ("stages", "dq_stages", "dkv_stages"):
-      if getattr(self, name) < 2:
-        raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
-    if self.backward_kernel not in BACKWARD_KERNELS:
-      raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
-                       f"{self.backward_kernel!r}")
-    for name in ("bwd_one_launch", "split_tail"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if self.dq_block_kv not in (64, 128):
-      raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
-    if self.dkv_block_kv != 64:
-      raise ValueError(f"dkv_block_kv must be 64 (one wgmma M tile), got "
-                       f"{self.dkv_block_kv}")
-    # dK += dS^T Q contracts over the q rows: Mosaic-GPU wants 64-multiples.
-    if self.dkv_block_q not in (64, 128):
-      raise ValueError(f"dkv_block_q must be 64 or 128, got {self.dkv_block_q}")
-
-
-def padded_head_dim(spec) -> int | None:
-  d = max(spec.head_dim, spec.head_dim_v)
-  return next((x for x in HEAD_DIMS if x >= d), None)
+CAPABILITIES = platform.Capabilities(
+    dtypes=DTYPES, max_head_dim=HEAD_DIMS[-1],
+    features=frozenset(spec_lib.FEATURES) - set(UNSUPPORTED))
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  if spec.dtype not in DTYPES:
-    return f"pallas-mosaic-gpu: dtype {spec.dtype} (supported: {', '.join(DTYPES)})"
-  if padded_head_dim(spec) is None:
-    return f"pallas-mosaic-gpu: head dim {max(spec.head_dim, spec.head_dim_v)} > 256"
-  used = sorted(spec.features & set(UNSUPPORTED))
-  if used:
-    return f"pallas-mosaic-gpu: features {', '.join(used)} not in this kernel"
+  reason = CAPABILITIES.unsupported(spec)
+  if reason:
+    return reason
   for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
     if shape is None:
       continue
     if tuple(shape[2:]) != (spec.seq_q, spec.seq_k):
-      return (f"pallas-mosaic-gpu: a {name} broadcast along Sq or Sk (shape "
-              f"{tuple(shape)}) is not in this kernel")
+      return f"a {name} broadcast along Sq or Sk (shape {tuple(shape)})"
     if padded_head_dim(spec) > BIAS_MAX_HEAD_DIM:
-      return (f"pallas-mosaic-gpu: a {name} with head dim "
-              f"{max(spec.head_dim, spec.head_dim_v)} > {BIAS_MAX_HEAD_DIM}")
+      return (f"a {name} with head dim {max(spec.head_dim, spec.head_dim_v)} > "
+              f"{BIAS_MAX_HEAD_DIM}")
   return None
-
-
-def has_additive_tile(spec) -> bool:
-  return spec.bias_shape is not None or spec.mask_shape is not None
-
-
-def default_config(spec: spec_lib.AttentionSpec) -> MosaicConfig:
-  """Shared memory holds 2 q blocks and ``stages`` K and V blocks: D = 256 keeps
-  64-key blocks so two stages fit in 227 KiB. The split tail only where it was
-  measured to pay (D = 64, long keys; see MosaicConfig)."""
-  d = padded_head_dim(spec) or 256
-  if has_additive_tile(spec):
-    return MosaicConfig(block_kv=BIAS_BLOCK_KV, stages=2)
-  if d <= 64:
-    return MosaicConfig(block_kv=128, stages=3, split_tail=spec.seq_k > 2048)
-  if d <= 128:
-    return MosaicConfig(block_kv=128, stages=2)
-  return MosaicConfig(block_kv=64, stages=2)
 
 
 def geometry(spec, config: MosaicConfig) -> Geometry:
@@ -165,7 +67,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
-      dtype=spec.dtype, persistent_ctas=registry.num_sms() if persistent else 0,
+      dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
       split_tail=config.split_tail and not spec.has_segment_ids,
       segments=spec.has_segment_ids)
 
@@ -190,11 +92,6 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
                    stages=config.dkv_stages, **common))
 
 
-def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
-  return (config.backward_kernel == "mosaic" and not has_additive_tile(spec) and
-          padded_head_dim(spec) <= MOSAIC_BWD_MAX_HEAD_DIM)
-
-
 def additive_tile(ops, spec, g: Geometry):
   """``(g, tile)``: the bias plus 0 / -inf where the mask is False, padded to
   ``[B|1, H|1, Sqp, Skp]``, in the bias's dtype (fp32 stays fp32) or the input's,
@@ -213,12 +110,6 @@ def additive_tile(ops, spec, g: Geometry):
   return dataclasses.replace(g, bias_dtype=jnp.dtype(dtype).name,
                              bias_batch=tile.shape[0] > 1,
                              bias_heads=tile.shape[1] > 1), tile
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: MosaicConfig
-  triton: pallas_triton._Static
 
 
 def _pad(x, seq, d):
@@ -247,12 +138,12 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
           _pad_ids(ops.kv_segment_ids, g.seq_k_padded), table)
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton_decode.py).
   if triton_decode.applies(spec):
     return triton_decode.forward(ops, spec, None,
-                                 registry.num_sms(), False)
+                                 hardware.num_sms(), False)
   from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
   out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
@@ -262,9 +153,10 @@ def forward(ops, spec, static: _Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if not uses_mosaic_backward(spec, static.config):
-    return pallas_triton.backward(ops, spec, static.triton, out, lse, do, dlse)
+    return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
+                                  out, lse, do, dlse)
   from . import mosaic_bwd  # imports Mosaic-GPU lowering only when used
   g_dq, g_dkv = backward_geometries(spec, static.config)
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
@@ -296,7 +188,6 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
 def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (mosaic_autotune.py, common/autotune.py)."""
-  from . import mosaic_autotune
   return tuning.resolve(spec, config, cache=mosaic_autotune.CACHE,
                         tune=mosaic_autotune.tune, attention=flash_attention,
                         default=default_config(spec),
@@ -307,13 +198,10 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError("pallas-mosaic-gpu: needs a Hopper GPU")
+  if jax.default_backend() != "gpu" or not hardware.is_hopper():
+    raise NotImplementedError("needs a Hopper GPU")
   explicit = config is not None
-  config = resolve_config(spec, config)
-  if not isinstance(config, MosaicConfig):
-    raise ValueError(f"config must be a pallas_gpu.MosaicConfig, got "
-                     f"{type(config).__name__}")
+  config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
   if has_additive_tile(spec) and (config.block_kv, config.stages) != (BIAS_BLOCK_KV, 2):
     if explicit:
       raise ValueError(f"with a bias or mask, block_kv must be {BIAS_BLOCK_KV} and "
@@ -321,15 +209,13 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        f"K/V ring), got block_kv={config.block_kv}, "
                        f"stages={config.stages}")
     config = dataclasses.replace(config, block_kv=BIAS_BLOCK_KV, stages=2)
-  triton = pallas_triton._Static(
-      config.backward or pallas_triton.resolve_config(spec, None, False), False)
-  return vjp.attention(forward, backward, ops, spec, _Static(config, triton),
+  # The Pallas-Triton backward's tiles (D > 128) travel in the config.
+  config = dataclasses.replace(config, backward=config.backward or
+                               pallas_triton.resolve_config(spec, None, False))
+  return vjp.attention(forward, backward, ops, spec, platform.Static(config),
                        per_shard=True)
 
 
-def flash_attention(q, k, v, *, config: MosaicConfig | None = None, **kwargs):
-  """Mosaic-GPU flash attention (Hopper); the contract of docs/DESIGN.md minus
-  dropout, fp32, and a bias or mask broadcast along Sq or Sk."""
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config)
-  return (out, lse) if spec.return_lse else out
+# The contract minus dropout, fp32, and a bias or mask broadcast along Sq or Sk
+# (CAPABILITIES, supported).
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

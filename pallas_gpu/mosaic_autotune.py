@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import autotune as common
-from . import mosaic
+from . import mosaic_config
 
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
 # shared memory (D = 256 leaves room for 64-key blocks in two stages only).
@@ -38,20 +38,20 @@ BACKWARD = (dict(), dict(dq_block_kv=128), dict(dq_stages=3), dict(dkv_stages=3)
             dict(dkv_block_q=128), dict(bwd_one_launch=False))
 
 
-def _to_json(cfg: mosaic.MosaicConfig) -> dict:
+def _to_json(cfg: mosaic_config.MosaicConfig) -> dict:
   d = dataclasses.asdict(cfg)
   d.pop("backward")
   return d
 
 
-def _from_json(d: dict) -> mosaic.MosaicConfig:
-  return mosaic.MosaicConfig(**d)
+def _from_json(d: dict) -> mosaic_config.MosaicConfig:
+  return mosaic_config.MosaicConfig(**d)
 
 
 CACHE = common.JsonCache("pallas_mosaic_gpu", _to_json, _from_json, key_prefix="mosaic|")
 
 
-def lookup(spec) -> mosaic.MosaicConfig | None:
+def lookup(spec) -> mosaic_config.MosaicConfig | None:
   return CACHE.lookup(spec)
 
 
@@ -63,16 +63,16 @@ def _unique(configs):
   return out
 
 
-def candidates(spec, base: mosaic.MosaicConfig):
+def candidates(spec, base: mosaic_config.MosaicConfig):
   """``(forward, backward)`` candidate builders for ``spec``: forward configs
   (``base`` first), and ``f(forward winner) -> backward configs`` (empty where the
   Mosaic backward does not run)."""
-  d = mosaic.padded_head_dim(spec)
+  d = mosaic_config.padded_head_dim(spec)
   fwd = _unique([base] + [dataclasses.replace(base, **tiles, **launch)
                           for tiles in FORWARD[d] for launch in LAUNCH])
 
   def bwd(winner):
-    if not mosaic.uses_mosaic_backward(spec, winner):
+    if not mosaic_config.uses_mosaic_backward(spec, winner):
       return []
     return _unique([dataclasses.replace(winner, **fields) for fields in BACKWARD])
 
@@ -80,10 +80,10 @@ def candidates(spec, base: mosaic.MosaicConfig):
 
 
 def tune(spec, run, *, timer=common.default_timer,
-         base: mosaic.MosaicConfig | None = None) -> mosaic.MosaicConfig:
+         base: mosaic_config.MosaicConfig | None = None) -> mosaic_config.MosaicConfig:
   """Times the candidates for ``spec`` (``run(config, with_grad) -> (fn, args)``)
   and caches the winner; candidates that fail to compile are skipped."""
-  base = base or mosaic.default_config(spec)
+  base = base or mosaic_config.default_config(spec)
 
   def go():
     fwd, bwd = candidates(spec, base)

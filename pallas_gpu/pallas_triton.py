@@ -4,31 +4,26 @@ Pallas' interpreter on any backend."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from .. import registry
 from ..common import spec as spec_lib
 from ..common import autotune as tuning
-from ..common import epilogue, launch, vjp
+from ..common import epilogue, hardware, launch, platform, vjp
 from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
 from .triton_plan import KernelConfig, TritonConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
-MAX_HEAD_DIM = 256  # q, o accumulator and k/v tiles of 256 columns fill the SMEM
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: TritonConfig
-  interpret: bool
+NAME = "pallas-triton"
+CONFIG = TritonConfig
+# The whole contract; D <= 256: q, the o accumulator and k/v tiles of 256 columns
+# fill the shared memory.
+CAPABILITIES = platform.Capabilities(dtypes=("float32", "bfloat16", "float16"),
+                                     max_head_dim=256, interpret=True)
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  return spec_lib.unsupported_dtype_or_head_dim(spec, "pallas-triton", DTYPES, MAX_HEAD_DIM)
+  return CAPABILITIES.unsupported(spec)
 
 
 # Backward tiles for heads wider than 128: 64x64 over 8 warps (the dK/dV or dQ
@@ -42,12 +37,12 @@ WIDE_BWD = KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2)
 
 
 def default_config(spec: spec_lib.AttentionSpec,
-                   target: launch.GpuTarget | None = None) -> TritonConfig:
+                   target: hardware.GpuTarget | None = None) -> TritonConfig:
   """Tiles by head dim: larger heads leave room for fewer rows. Small problems get
   tiles no larger than their (power-of-two rounded) lengths. ``target`` (default:
   the default device's generation) sizes the streamed tiles to its shared
   memory; the long-key tiles and the split tail are Hopper's (measured there)."""
-  target = target or launch.gpu_target()
+  target = target or hardware.gpu_target()
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
     # Folded causal programs: 1.52x JAX's example vs 1.44-1.48x at B2 S8k (one run).
@@ -77,27 +72,27 @@ def default_config(spec: spec_lib.AttentionSpec,
     cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
                                         num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
   return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec,
-                                     budget=target.streamed_budget)
+                                     budget=launch.streamed_budget(target))
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonConfig:
-  return launch.with_forward_blocks(default_config(spec), block_q, block_kv)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k``: the forward's tiles.
+config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   if triton_decode.applies(spec):
     return triton_decode.forward(ops, spec, None,
-                                 registry.num_sms(), static.interpret)
+                                 hardware.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
-  slots = (cfg.tail_slots or registry.num_sms()) if cfg.split_tail else 0
+  slots = (cfg.tail_slots or hardware.num_sms()) if cfg.split_tail else 0
   out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
                                 cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   plans = tp.make_plans(spec, static.config, fast_exp2=not static.interpret)
   x = tp.prepare(ops, plans["dq"])
   sqp = plans["dq"].seq_q_padded
@@ -135,19 +130,13 @@ def attention_from_operands(ops, spec, config: TritonConfig | None = None,
   if reason:
     raise NotImplementedError(reason)
   if not interpret and jax.default_backend() != "gpu":
-    raise NotImplementedError("pallas-triton: needs a GPU, or interpret=True")
-  config = resolve_config(spec, config, interpret)
-  if not isinstance(config, TritonConfig):
-    raise ValueError(f"config must be a pallas_gpu.TritonConfig, got "
-                     f"{type(config).__name__}")
-  return vjp.attention(forward, backward, ops, spec, _Static(config, bool(interpret)),
-                       per_shard=True)
+    raise NotImplementedError("needs a GPU, or interpret=True")
+  config = platform.check_config(resolve_config(spec, config, interpret), TritonConfig,
+                                 NAME)
+  return vjp.attention(forward, backward, ops, spec,
+                       platform.Static(config, bool(interpret)), per_shard=True)
 
 
-def flash_attention(q, k, v, *, config: TritonConfig | None = None,
-                    interpret: bool = False, **kwargs):
-  """Pallas-Triton flash attention; the contract of docs/DESIGN.md. fp32 inputs use
-  full-precision (IEEE) products unless ``config.fp32_precision == "tf32"``."""
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config, interpret)
-  return (out, lse) if spec.return_lse else out
+# fp32 inputs use full-precision (IEEE) products unless
+# ``config.fp32_precision == "tf32"``.
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

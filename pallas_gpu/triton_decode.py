@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import epilogue, launch
+from ..common import epilogue, hardware
 from ..common import spec as spec_lib
 
 LOG2E = math.log2(math.e)
@@ -115,7 +115,7 @@ def fit(cfg: DecodeConfig, spec, rows: int, budget: int | None = None) -> Decode
   :func:`shared_bytes` fits ``budget`` (default: the device's shared memory less
   4 KiB): wide heads and fp32 overflow the tiles tuned on bf16 at D = 128."""
   if budget is None:
-    budget = launch.gpu_target().shared_memory - 4096
+    budget = hardware.gpu_target().shared_memory - 4096
   while shared_bytes(cfg, spec, rows) > budget:
     if cfg.num_stages > 2:
       cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)

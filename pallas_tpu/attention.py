@@ -2,41 +2,35 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.custom_batching
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import spec as spec_lib
-from ..common import epilogue, vjp
+from ..common import epilogue, platform, vjp
 from . import backward as bwd_lib
 from . import forward as fwd_lib
 from .config import TpuConfig, default_config
 from .plan import make_plan, prepare
 
-DTYPES = ("float32", "bfloat16", "float16")
-MAX_HEAD_DIM = 256  # q/k/v tiles and the fp32 accumulator must fit VMEM
+NAME = "pallas-tpu"
+# The whole contract; D <= 256: q/k/v tiles and the fp32 accumulator must fit VMEM.
+CAPABILITIES = platform.Capabilities(dtypes=("float32", "bfloat16", "float16"),
+                                     max_head_dim=256, interpret=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: TpuConfig
-  interpret: bool
-
-  @property
-  def interpret_params(self):
-    # Simulates TPU memory spaces and DMA; uninitialised memory reads as NaN, so
-    # an unwritten output block fails the tests.
-    return pltpu.InterpretParams() if self.interpret else None
+def _interpret_params(static: platform.Static):
+  # Simulates TPU memory spaces and DMA; uninitialised memory reads as NaN, so an
+  # unwritten output block fails the tests.
+  return pltpu.InterpretParams() if static.interpret else None
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
-  return spec_lib.unsupported_dtype_or_head_dim(spec, "pallas-tpu", DTYPES, MAX_HEAD_DIM)
+  return CAPABILITIES.unsupported(spec)
 
 
-def _vmapped_in_sequence(fn, static: _Static, arrays):
+def _vmapped_in_sequence(fn, static: platform.Static, arrays):
   """``fn(arrays)`` for a pytree of arrays; in interpret mode a ``vmap`` of it runs
   the mapped axis one element after another (``lax.map``). Pallas' batching rule
   adds a grid axis but not its dimension semantics, which the TPU interpreter
@@ -64,23 +58,23 @@ def _vmapped_in_sequence(fn, static: _Static, arrays):
   return call(*leaves)
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   return _vmapped_in_sequence(lambda ops: _forward(ops, spec, static), static, ops)
 
 
-def _forward(ops, spec, static: _Static):
+def _forward(ops, spec, static: platform.Static):
   plan = make_plan(spec, static.config.fwd)
   out, lse = fwd_lib.forward(prepare(ops, plan), plan,
-                             interpret=static.interpret_params)
+                             interpret=_interpret_params(static))
   return epilogue.finish_forward(jnp.swapaxes(out, 1, 2), lse[..., 0], spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   return _vmapped_in_sequence(lambda a: _backward(a[0], spec, static, *a[1:]),
                               static, (ops, out, lse, do, dlse))
 
 
-def _backward(ops, spec, static: _Static, out, lse, do, dlse):
+def _backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   plan = make_plan(spec, static.config.bwd)
   x = prepare(ops, plan)
   delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse,
@@ -89,7 +83,7 @@ def _backward(ops, spec, static: _Static, out, lse, do, dlse):
                  ((0, 0), (0, 0), (0, plan.seq_q_padded - spec.seq_q), (0, 0)))
   dq, dk, dv, ds = bwd_lib.backward(x, plan, do_k, lse_rows[..., None],
                                     delta_rows[..., None],
-                                    interpret=static.interpret_params)
+                                    interpret=_interpret_params(static))
   dbias = dsinks = None
   if ops.bias is not None:
     dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)
@@ -100,14 +94,11 @@ def _backward(ops, spec, static: _Static, out, lse, do, dlse):
                            v=unpad(dv, spec.seq_k), bias=dbias, sinks=dsinks)
 
 
-def _static(spec, config, interpret) -> _Static:
+def _static(spec, config, interpret) -> platform.Static:
   if not interpret and jax.default_backend() != "tpu":
-    raise NotImplementedError("pallas-tpu: needs a TPU, or interpret=True on CPU")
-  config = config or default_config(spec)
-  if not isinstance(config, TpuConfig):
-    raise ValueError(f"config must be a pallas_tpu.TpuConfig, got "
-                     f"{type(config).__name__}")
-  return _Static(config=config, interpret=bool(interpret))
+    raise NotImplementedError("needs a TPU, or interpret=True on CPU")
+  config = platform.check_config(config or default_config(spec), TpuConfig, NAME)
+  return platform.Static(config=config, interpret=bool(interpret))
 
 
 def _check_interpret_on_one_device(ops):
@@ -124,7 +115,7 @@ def _check_interpret_on_one_device(ops):
     sharding = None if traced else getattr(x, "sharding", None)  # numpy: none
     if traced or sharding is not None and len(sharding.device_set) > 1:
       raise NotImplementedError(
-          f"pallas-tpu: interpret mode runs on one device; with {n} devices "
+          f"interpret mode runs on one device; with {n} devices "
           + ("under jit the inputs may be sharded" if traced else
              "the inputs are sharded") + ", and XLA would run the interpreter's "
           "callbacks on one device while the others wait (a deadlock). Run it with "
@@ -146,16 +137,7 @@ def attention_from_operands(ops, spec, config: TpuConfig | None = None,
                        per_shard=not static.interpret)
 
 
-def flash_attention(q, k, v, *, config: TpuConfig | None = None,
-                    interpret: bool = False, **kwargs):
-  """Pallas Mosaic-TPU flash attention; the contract of docs/DESIGN.md.
-
-  ``interpret=True`` runs the kernels in Pallas TPU interpret mode (any backend),
-  which is how this project verifies them: no TPU was available.
-  """
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config, interpret)
-  return (out, lse) if spec.return_lse else out
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)
 
 
 def count_kv_steps(q, k, v, *, config: TpuConfig | None = None, **kwargs) -> int:
@@ -165,5 +147,5 @@ def count_kv_steps(q, k, v, *, config: TpuConfig | None = None, **kwargs) -> int
   static = _static(spec, config, True)
   plan = make_plan(spec, static.config.fwd)
   _, _, count = fwd_lib.forward(prepare(ops, plan), plan,
-                                interpret=static.interpret_params, count=True)
+                                interpret=_interpret_params(static), count=True)
   return int(count.sum())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..common import hardware, platform
+
 NUM_LANES = 128
 
 
@@ -55,30 +57,16 @@ _GENERATION_DEFAULTS = {
 }
 
 
-def tpu_generation() -> str | None:
-  import jax
-  try:
-    kind = jax.devices("tpu")[0].device_kind.lower()
-  except RuntimeError:
-    return None
-  for gen in ("v6e", "v5p", "v5e", "v5 lite", "v4"):
-    if gen in kind:
-      return "v5e" if gen == "v5 lite" else gen
-  return None
-
-
 def default_config(spec) -> TpuConfig:
   """Per TPU generation (untested on hardware); 128 x 128 where none is found
   (interpret mode on CPU), clipped to the padded problem size."""
-  base = _GENERATION_DEFAULTS.get(tpu_generation(), TpuConfig())
+  base = _GENERATION_DEFAULTS.get(hardware.tpu_generation(), TpuConfig())
   round_up = lambda n, m: -(-n // m) * m
   clip = lambda b: BlockSizes(block_q=min(b.block_q, round_up(spec.seq_q, 16)),
                               block_kv=min(b.block_kv, round_up(spec.seq_k, NUM_LANES)))
   return TpuConfig(fwd=clip(base.fwd), bwd=clip(base.bwd))
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TpuConfig:
-  base = default_config(spec)
-  blocks = BlockSizes(block_q=block_q or base.fwd.block_q,
-                      block_kv=block_kv or base.fwd.block_kv)
-  return TpuConfig(fwd=blocks, bwd=blocks)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k``: the forward's and the
+# backward's blocks.
+config_from_block_sizes = platform.block_sizes(default_config, ("fwd", "bwd"))

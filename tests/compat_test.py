@@ -1,7 +1,7 @@
 """The compat entry points against the libraries' own meaning: ``dot_product_attention``
-against ``jax.nn.dot_product_attention`` (its XLA path, top-left alignment), and the
+against ``jax.nn.dot_product_attention`` (its XLA path, top-left alignment), the
 lucidrains entries against flashjax's reference, called as that library's README
-calls them."""
+calls them, flash-attn3-jax's ``seqused_k`` and jax-flash-attn2's ``FORCE_MHA``."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import flashjax
+from flashjax import api
 from flashjax.compat import lucidrains
 from flashjax.common import reference
 
@@ -149,3 +150,66 @@ def test_lucidrains_readme_calls():
   want = reference.attention(q[None].swapaxes(1, 2), k[None].swapaxes(1, 2),
                              v[None].swapaxes(1, 2), causal=True)
   np.testing.assert_allclose(out, want[0].swapaxes(0, 1), **TOL)
+
+
+def test_flash_mha_varlen_seqused_k():
+  """Sequence s attends to its first seqused_k[s] keys only, its band aligned to
+  that length (causal: the end-aligned layout; else the packed rows directly); a
+  sequence with no used key outputs 0; unused keys get no gradient."""
+  lens_q, lens_k, used = [3, 6, 2], [7, 6, 4], [5, 0, 4]
+  tq, tk = sum(lens_q) + 2, sum(lens_k) + 1
+  ks = jax.random.split(jax.random.key(21), 3)
+  q = jax.random.normal(ks[0], (tq, 2, 16))
+  k = jax.random.normal(ks[1], (tk, 1, 16))
+  v = jax.random.normal(ks[2], (tk, 1, 16))
+  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
+  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  run = lambda q, k, v, causal: flashjax.flash_mha_varlen(
+      q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=causal,
+      seqused_k=jnp.array(used, jnp.int32))
+
+  def check(out, causal):
+    a = b = 0
+    for nq, nk, n in zip(lens_q, lens_k, used):
+      want = jnp.zeros_like(q[a:a + nq]) if n == 0 else reference.attention(
+          q[None, a:a + nq], k[None, b:b + n], v[None, b:b + n], causal=causal)[0]
+      np.testing.assert_allclose(out[a:a + nq], want, **TOL)
+      a, b = a + nq, b + nk
+    assert np.all(np.asarray(out[a:]) == 0)
+
+  check(run(q, k, v, False), False)
+  out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, True), q, k, v)
+  check(out, True)
+  _, dk, dv = vjp(jnp.ones_like(out))
+  unused = np.ones(tk, bool)
+  for start, n in zip(np.cumsum([0] + lens_k), used):
+    unused[start:start + n] = False
+  assert np.all(np.asarray(dk)[unused] == 0) and np.all(np.asarray(dv)[unused] == 0)
+  assert np.all(np.any(np.asarray(dv)[~unused] != 0, axis=(1, 2)))
+  with pytest.raises(ValueError, match="seqused_k must lie between 0"):
+    flashjax.flash_mha_varlen(q, k, v, cu_q, cu_k, 6, 7,
+                              seqused_k=jnp.array([8, 0, 4], jnp.int32))
+  with pytest.raises(ValueError, match="seqused_k must be a 1-D int array of 3"):
+    flashjax.flash_mha_varlen(q, k, v, cu_q, cu_k, 6, 7,
+                              seqused_k=jnp.array([5, 0], jnp.int32))
+
+
+def test_force_mha_is_read_by_jax_flash_attn2_entry_only(monkeypatch):
+  """FORCE_MHA=1 repeats K/V heads in get_cached_flash_attention's callable (the
+  platform sees as many kv heads as q heads); the contract's entry ignores it."""
+  seen = []
+
+  def spy(ops, spec, **kw):  # the platform's place: the reference, densely
+    seen.append(spec.heads_kv)
+    return reference.attention_from_operands(ops, spec)
+
+  monkeypatch.setattr(api, "dispatch", spy)
+  monkeypatch.setenv("FORCE_MHA", "1")
+  q, k, v, _ = _qkv(1, 24, 24, 4, 2, 16, seed=5)
+  cached = flashjax.get_cached_flash_attention(backend="cpu", platform="xla")
+  np.testing.assert_allclose(cached(q, k, v, causal=True),
+                             reference.attention(q, k, v, causal=True), **TOL)
+  flashjax.flash_attention(q, k, v, causal=True)
+  monkeypatch.delenv("FORCE_MHA")
+  cached(q, k, v, causal=True)
+  assert seen == [4, 2, 2]

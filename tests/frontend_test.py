@@ -1,6 +1,7 @@
 """The public API: every entry point against the reference, seed-style calls,
 caching, platform choice and fall-through, explicit-platform errors, remat."""
 
+import dataclasses
 import logging
 
 import jax
@@ -10,7 +11,8 @@ import pytest
 
 import flashjax
 from flashjax import api, registry
-from flashjax.common import reference, tolerances
+from flashjax.common import platform, reference, tolerances
+from flashjax.common import spec as spec_lib
 
 TOL = tolerances.forward("float32")
 
@@ -232,6 +234,11 @@ def test_explicit_platform_that_cannot_run_raises_with_reason():
     flashjax.flash_attention(q, k, v, backend="metal")
   with pytest.raises(ValueError, match="interpret=True"):
     flashjax.flash_attention(q, k, v, platform="xla", interpret=True)
+  # Mosaic-GPU is a Pallas platform without an interpret mode (its capabilities say).
+  qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  with pytest.raises(ValueError, match="'pallas-mosaic-gpu' has none"):
+    flashjax.flash_attention(qb, kb, vb, platform="pallas", backend="gpu",
+                             interpret=True)
 
 
 def test_no_platform_left_reports_every_reason(monkeypatch):
@@ -249,10 +256,40 @@ def test_platform_environment_variable(monkeypatch):
     flashjax.flash_attention(q, k, v)
 
 
-def test_force_mha_environment_variable(monkeypatch):
-  monkeypatch.setenv("FORCE_MHA", "1")
-  q, k, v = _qkv(seed=11)
-  _close(flashjax.flash_attention(q, k, v), reference.attention(q, k, v))
+def test_every_platform_follows_the_protocol():
+  """common/platform.py: each registered platform declares its name, capabilities
+  and config type, and its reasons name no platform (the registry adds it)."""
+  wide = spec_lib.abstract_spec(batch=1, seq_q=8, seq_k=8, heads_q=2, head_dim=320,
+                                dtype="float32")
+  for name in registry.PLATFORMS:
+    mod = registry.load(name)
+    assert mod.NAME == name
+    assert isinstance(mod.CAPABILITIES, platform.Capabilities), name
+    assert dataclasses.is_dataclass(mod.CONFIG), name
+    assert mod.CONFIG.__dataclass_params__.frozen, name
+    for fn in ("supported", "default_config", "attention_from_operands",
+               "flash_attention"):
+      assert callable(getattr(mod, fn)), (name, fn)
+    reason = mod.supported(wide)
+    assert (reason is None) == (name == "xla"), (name, reason)
+    assert reason is None or not reason.startswith(name), reason
+    backend = registry.PLATFORMS[name].backends[0]
+    if reason is not None:
+      assert registry.reason_unsupported(name, wide, backend) == f"{name}: {reason}"
+
+
+def test_config_pins_the_automatic_choice_to_its_platform():
+  """A config runs on its own platform or raises; it never reaches another."""
+  from flashjax import pallas_tpu, xla_cpu
+  q, k, v = _qkv(b=1, sq=40, sk=40, hq=2, hkv=1, d=16, seed=14)
+  out = flashjax.flash_attention(q, k, v, causal=True,
+                                 config=xla_cpu.XlaConfig(block_q=16, block_kv=16))
+  _close(out, reference.attention(q, k, v, causal=True))
+  with pytest.raises(ValueError, match=r"config is a TpuConfig.*\('xla' on backend "
+                     r"'cpu', which takes a XlaConfig\)"):
+    flashjax.flash_attention(q, k, v, config=pallas_tpu.TpuConfig())
+  with pytest.raises(ValueError, match="config must be a XlaConfig"):
+    flashjax.flash_attention(q, k, v, platform="xla", config=pallas_tpu.TpuConfig())
 
 
 def test_platform_aliases():

@@ -1,6 +1,8 @@
 """The monorepo's structure: one py_library per subpackage, common depends on no
-platform, every subpackage has a test target, and `import flashjax` is light."""
+platform, platforms depend on common only (Bazel deps and Python imports), every
+subpackage has a test target, and `import flashjax` is light."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -55,3 +57,63 @@ def test_import_is_light():
           "print(bad); sys.exit(1 if bad else 0)")
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _imports_of_source(src, path):
+  """Absolute names of the flashjax modules that ``src`` (the text of ``path``)
+  imports, at any depth: lazy imports inside functions count."""
+  parts = ["flashjax"] + list(path.relative_to(ROOT).with_suffix("").parts)
+  package = parts[:-1]  # an __init__.py's package is its folder too
+  found = []
+  for node in ast.walk(ast.parse(src, str(path))):
+    if isinstance(node, ast.Import):
+      found += [a.name for a in node.names if a.name.split(".")[0] == "flashjax"]
+    elif isinstance(node, ast.ImportFrom):
+      base = package[:len(package) - node.level + 1] if node.level else []
+      module = ".".join(base + ([node.module] if node.module else []))
+      if module.split(".")[0] != "flashjax":
+        continue
+      if module == "flashjax":  # from .. import api, registry
+        found += [f"flashjax.{a.name}" for a in node.names]
+      else:
+        found.append(module)
+  return found
+
+
+def _sources(pkg):
+  """The package's Python files, its tests excepted (tests may use the frontend)."""
+  return [p for p in sorted((ROOT / pkg).rglob("*.py")) if "tests" not in p.parts]
+
+
+def _imports(path):
+  return _imports_of_source(path.read_text(), path)
+
+
+@pytest.mark.parametrize("pkg", PLATFORMS)
+def test_platform_imports_only_common_and_itself(pkg):
+  """No platform imports another platform or the frontend (api, registry,
+  inference, ring, info, compat/): what platforms share lives in common/."""
+  for path in _sources(pkg):
+    for name in _imports(path):
+      assert name.startswith(("flashjax.common.", f"flashjax.{pkg}.")) or name in (
+          "flashjax.common", f"flashjax.{pkg}"), (str(path.relative_to(ROOT)), name)
+
+
+def test_common_imports_no_platform_or_frontend():
+  for path in _sources("common"):
+    for name in _imports(path):
+      assert name == "flashjax.common" or name.startswith("flashjax.common."), (
+          str(path.relative_to(ROOT)), name)
+
+
+def test_import_rules_see_relative_and_lazy_imports():
+  """The rules above see relative imports at any depth, ``from .. import x`` and
+  imports inside functions."""
+  src = ("from .. import registry\nfrom ..common import spec\nfrom . import plan\n"
+         "import jax\nfrom jax import numpy\n"
+         "def f():\n  from ..xla_cpu import forward\n  import flashjax.api\n")
+  names = _imports_of_source(src, ROOT / "triton_gpu" / "probe.py")
+  assert sorted(names) == ["flashjax.api", "flashjax.common", "flashjax.registry",
+                           "flashjax.triton_gpu", "flashjax.xla_cpu"], names
+  assert _imports_of_source("from . import spec", ROOT / "common" / "__init__.py") == [
+      "flashjax.common"]

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..common import spec as spec_lib
-from ..common.launch import with_forward_blocks
+from ..common import platform
 from .plan import Launch, TritonKernelsConfig, default_config
 
-NAME = "triton_gpu"
-DTYPES = ("float32", "bfloat16", "float16")
-MAX_HEAD_DIM = 256
+NAME = "triton"
+CONFIG = TritonKernelsConfig
+CAPABILITIES = platform.Capabilities(dtypes=("float32", "bfloat16", "float16"),
+                                     max_head_dim=256)
 
-__all__ = ["Launch", "TritonKernelsConfig", "attention_from_operands",
-           "config_from_block_sizes", "default_config", "flash_attention", "supported"]
+__all__ = ["CAPABILITIES", "CONFIG", "NAME", "Launch", "TritonKernelsConfig",
+           "attention_from_operands", "config_from_block_sizes", "default_config",
+           "flash_attention", "supported"]
 
 
 def missing_dependency() -> str | None:
   for module, dist in (("triton", "triton>=3.6"), ("jax_triton", "jax-triton>=0.3.1")):
     if importlib.util.find_spec(module) is None:
-      return f"triton: {dist} is not installed (pip install 'flashjax[triton]')"
+      return f"{dist} is not installed (pip install 'flashjax[triton]')"
   return None
 
 
@@ -34,15 +35,11 @@ def supported(spec) -> str | None:
   reason = missing_dependency()
   if reason:
     return reason
-  reason = spec_lib.unsupported_dtype_or_head_dim(spec, "triton", DTYPES, MAX_HEAD_DIM)
-  if reason:
-    return reason
-  return None
+  return CAPABILITIES.unsupported(spec)
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> TritonKernelsConfig:
-  """jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default (forward)."""
-  return with_forward_blocks(default_config(spec), block_q, block_kv)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k``: the forward's tiles.
+config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
 def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):
@@ -56,12 +53,8 @@ def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None
   try:
     from . import attention  # imports triton and jax-triton
   except ImportError as e:  # e.g. jax-triton without a GPU jaxlib
-    raise NotImplementedError(f"triton: jax-triton does not import here ({e})") from e
+    raise NotImplementedError(f"jax-triton does not import here ({e})") from e
   return attention.attention_from_operands(ops, spec, config)
 
 
-def flash_attention(q, k, v, *, config: TritonKernelsConfig | None = None, **kwargs):
-  """Triton flash attention through jax-triton; the contract of docs/DESIGN.md."""
-  ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
-  out, lse = attention_from_operands(ops, spec, config)
-  return (out, lse) if spec.return_lse else out
+flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common import dropout as dropout_lib
-from ..common import epilogue, vjp
+from ..common import epilogue, hardware, platform, vjp
 from ..common import spec as spec_lib
 from ..common.blocking import pad_axis, pad_broadcastable
 from . import plan
@@ -42,14 +42,8 @@ def _compute_capability():
   idx = os.environ.get("GPU_IDX_FLASH_ATTN")
   if idx is None:
     return None
-  kind = jax.devices("gpu")[int(idx)]
-  major, minor = kind.compute_capability.split(".")
-  return int(major) * 10 + int(minor)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  config: TritonKernelsConfig
+  major, minor = hardware.compute_capability(jax.devices("gpu")[int(idx)])
+  return major * 10 + minor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +93,7 @@ def _table(ops, geo: Geometry, bm: int, bn: int, over_kv: bool):
   return jnp.asarray(geo.block_table(bm, bn, over_kv, ids))
 
 
-def forward(ops, spec, static: _Static):
+def forward(ops, spec, static: platform.Static):
   cfg = static.config
   geo = Geometry.of(spec, cfg)
   x = _prepare(ops, spec, geo)
@@ -118,7 +112,7 @@ def forward(ops, spec, static: _Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def backward(ops, spec, static: _Static, out, lse, do, dlse):
+def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   cfg = static.config
   geo = Geometry.of(spec, cfg)
   x = _prepare(ops, spec, geo)
@@ -161,9 +155,8 @@ def backward(ops, spec, static: _Static, out, lse, do, dlse):
 
 def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):
   if jax.default_backend() != "gpu":
-    raise NotImplementedError("triton: needs a GPU (Triton kernels through jax-triton)")
-  config = config or default_config(spec)
-  if not isinstance(config, TritonKernelsConfig):
-    raise ValueError(f"config must be a triton_gpu.TritonKernelsConfig, got "
-                     f"{type(config).__name__}")
-  return vjp.attention(forward, backward, ops, spec, _Static(config), per_shard=True)
+    raise NotImplementedError("needs a GPU (Triton kernels through jax-triton)")
+  config = platform.check_config(config or default_config(spec), TritonKernelsConfig,
+                                 "triton")
+  return vjp.attention(forward, backward, ops, spec, platform.Static(config),
+                       per_shard=True)

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
-from ..common import env, segments
-from ..common.launch import (GpuTarget, KernelConfig, KernelsConfig, fit_to_lengths,
-                             fit_to_shared_memory, gpu_target, tile_size,
-                             with_forward_blocks)
+from ..common import env, hardware, platform, segments
+from ..common.hardware import GpuTarget
+from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
+                             fit_to_shared_memory, streamed_budget, tile_size)
 from ..common.spec import AttentionSpec
 
 
@@ -37,9 +37,9 @@ def default_config(spec: AttentionSpec,
         fwd=Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
         dq=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),
         dkv=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1))
-  cfg = with_forward_blocks(cfg, env.positive_int("BLOCKSIZE_M_FLASH_ATTN"),
-                            env.positive_int("BLOCKSIZE_N_FLASH_ATTN"))
-  budget = (target or gpu_target()).streamed_budget
+  cfg = platform.with_block_sizes(cfg, env.positive_int("BLOCKSIZE_M_FLASH_ATTN"),
+                                  env.positive_int("BLOCKSIZE_N_FLASH_ATTN"), ("fwd",))
+  budget = streamed_budget(target or hardware.gpu_target())
   return fit_to_shared_memory(fit_to_lengths(cfg, spec), spec, budget=budget)
 
 

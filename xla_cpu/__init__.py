@@ -1,7 +1,8 @@
 """Blockwise online-softmax attention in plain JAX/XLA: the whole contract, on every
 backend (the default on CPU and the universal fallback)."""
 
-from .attention import attention_from_operands, flash_attention, supported
+from .attention import (CAPABILITIES, NAME, attention_from_operands, flash_attention,
+                        supported)
 from .config import XlaConfig, config_from_block_sizes, default_config
 
-NAME = "xla"
+CONFIG = XlaConfig

@@ -6,6 +6,8 @@ import dataclasses
 
 import jax
 
+from ..common import platform
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XlaConfig:
@@ -50,8 +52,5 @@ def default_config(spec, backend: str | None = None) -> XlaConfig:
                    else spec.dtype)
 
 
-def config_from_block_sizes(spec, block_q=None, block_kv=None) -> XlaConfig:
-  """jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default config."""
-  base = default_config(spec)
-  return XlaConfig(block_q=block_q or base.block_q, block_kv=block_kv or base.block_kv,
-                   compute_dtype=base.compute_dtype)
+# jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over the default config.
+config_from_block_sizes = platform.block_sizes(default_config, ("",))

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax import registry
-from flashjax.common import reference
+from flashjax.common import hardware, reference
 from flashjax.pallas_gpu import mosaic
 
-ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
+ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 # bf16 inputs against the fp32 reference, in relative Frobenius norm.
 REL_TOL = 2e-2

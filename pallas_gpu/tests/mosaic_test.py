@@ -11,23 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax import registry
-from flashjax.common import conformance, spec as spec_lib, tolerances
+from flashjax.common import conformance, hardware, platform, spec as spec_lib, tolerances
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
 
-ON_HOPPER = jax.default_backend() == "gpu" and registry.is_hopper()
+ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(
-      name="pallas-mosaic-gpu", dtypes=("bfloat16", "float16"),
-      default_dtype="bfloat16",
-      features=frozenset({"causal", "window", "soft_cap", "sinks", "lse",
-                          "segment_ids", "bias", "mask"}),
-      head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(mosaic.CAPABILITIES, name="pallas-mosaic-gpu",
+                                     default_dtype="bfloat16")
 
   def expected_error(self, case):
     """A bias or mask runs only over whole [Sq, Sk] slices, at head dims <= 128."""
@@ -237,7 +232,7 @@ def test_every_variant_lowers_for_cuda(variant):
                                  split_tail=split_tail)
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
-    static = mosaic._Static(config, None)
+    static = platform.Static(config)
     return mosaic.forward(ops, spec, static)
 
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
@@ -249,8 +244,8 @@ def test_every_variant_lowers_for_cuda(variant):
   def bwd(q, k, v, *sinks):
     ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
     config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
-    static = mosaic._Static(config, pallas_triton._Static(
-        pallas_triton.default_config(spec), False))
+    static = platform.Static(dataclasses.replace(
+        config, backward=pallas_triton.default_config(spec)))
     out, lse = mosaic.forward(ops, spec, static)
     return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
 

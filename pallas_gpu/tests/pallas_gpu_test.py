@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax.common import conformance, conformance_kvcache, conformance_packed, spec, tolerances
+from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
+                             spec, tolerances)
 from flashjax.pallas_gpu import pallas_triton, triton_tail
 from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
 
@@ -22,9 +23,9 @@ SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
 
 
 class TestPallasTritonInterpret(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret]",
-                                  head_dim_ok=lambda d: d <= 256, max_seq_len=400,
-                                  hypothesis_examples=6)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret]", max_seq_len=400,
+                                     hypothesis_examples=6)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, **kwargs)
@@ -34,9 +35,9 @@ class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
   """Different tiles per kernel: many edge tiles, shared padding, folded causal
   forward programs."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret,small]",
-                                  head_dim_ok=lambda d: d <= 256, max_seq_len=300,
-                                  hypothesis_examples=4)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret,small]",
+                                     max_seq_len=300, hypothesis_examples=4)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, config=SMALL,
@@ -46,8 +47,8 @@ class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 class TestPallasTritonGpu(conformance.ConformanceSuite):
   # fp32 runs IEEE products by default, so the fp32 tolerance stands.
-  CAPS = conformance.Capabilities(name="pallas-triton[gpu]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[gpu]")
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, **kwargs)
@@ -57,8 +58,8 @@ class _FoldedLongTiles(conformance.ConformanceSuite):
   """The D = 128 long-key tiles with folded causal programs (not collected: the
   cases below pick what it runs)."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[gpu,folded]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[gpu,folded]")
   CONFIG = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
                                          num_stages=3),
                         dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
@@ -193,7 +194,7 @@ def test_split_tail_lowers_for_cuda():
 
   def fwd(q, k, v):
     ops, s = spec.canonicalize(q, k, v)
-    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    static = platform.Static(pallas_triton.default_config(s), False)
     return pallas_triton.forward(ops, s, static)
 
   text = jax.jit(fwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
@@ -237,8 +238,8 @@ class _SplitTailInterpret(conformance.ConformanceSuite):
   """Outputs and gradients against the reference with the last wave split (not
   collected: the cases below pick what it runs)."""
 
-  CAPS = conformance.Capabilities(name="pallas-triton[interpret,split-tail]",
-                                  head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
+                                     name="pallas-triton[interpret,split-tail]")
 
   def attention(self, q, k, v, **kwargs):
     return pallas_triton.flash_attention(q, k, v, interpret=True, config=SPLIT,
@@ -276,7 +277,7 @@ SPLIT_GPU_CASES = {
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 @pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
 def test_split_tail_forward_on_gpu(name):
-  from flashjax import registry
+  from flashjax.common import hardware
   from flashjax.pallas_gpu import triton_fwd
   case = SPLIT_GPU_CASES[name]
   s = spec.abstract_spec(batch=case.batch, seq_q=case.seq_q, seq_k=case.seq_k,
@@ -284,7 +285,7 @@ def test_split_tail_forward_on_gpu(name):
                          head_dim=case.head_dim, dtype=case.dtype)
   cfg = pallas_triton.default_config(s)
   plan = pallas_triton.tp.make_plans(s, cfg)["fwd"]
-  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, registry.num_sms())
+  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
   TestPallasTritonGpu().check(case)
 
 
@@ -367,7 +368,7 @@ def test_fp32_defaults_fit_shared_memory():
   # dots also stage the resident tile and the probabilities in shared memory (an
   # fp32 triton forward with 64-key tiles asked for 295424 bytes), so 3 stages of
   # 64 keys do not fit either.
-  from flashjax.common import launch
+  from flashjax.common import hardware, launch
   make = lambda dtype: spec.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=2,
                                           head_dim=128, dtype=dtype)
   bf16, fp32 = (pallas_triton.default_config(make(d)) for d in ("bfloat16", "float32"))
@@ -379,7 +380,7 @@ def test_fp32_defaults_fit_shared_memory():
       (fp32.dkv, fp32.dkv.block_q, fp32.dkv.block_kv * 128)):
     pipelined = cfg.num_stages * streamed * 256 * 4
     assert pipelined <= launch.SHARED_MEMORY_BUDGET
-    assert pipelined + 4 * resident <= launch.HOPPER.shared_memory
+    assert pipelined + 4 * resident <= hardware.HOPPER.shared_memory
 
 
 def test_bias_and_mask_tiles_count_in_the_shared_memory_fit():
@@ -478,28 +479,14 @@ def test_wide_head_backward_tiles():
   assert bf16_bias.dq == bf16_bias.dkv == pallas_triton.WIDE_BWD
 
 
-def test_gpu_generation_from_the_device():
-  import types
-  from flashjax.common import launch
-  dev = lambda cc, kind="NVIDIA": types.SimpleNamespace(
-      platform="gpu", compute_capability=cc, device_kind=kind)
-  assert launch.gpu_target(dev("9.0", "NVIDIA H200")).hopper
-  assert launch.gpu_target(dev("8.0", "NVIDIA A100-SXM4-80GB")).name == "ampere-datacenter"
-  assert launch.gpu_target(dev("8.9", "NVIDIA L40S")).shared_memory == 99 * 1024
-  assert launch.gpu_target(dev("gfx942", "AMD Instinct MI300X")) == launch.AMD
-  assert launch.gpu_target(dev("8.1")).name.startswith("ampere")  # same major
-  assert launch.gpu_target(dev("")) == launch.HOPPER  # unknown: as before
-  assert launch.gpu_target(types.SimpleNamespace(platform="cpu")) == launch.HOPPER
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_tiles_fit_every_generation(dtype):
   """The Triton-based platforms' default streamed tiles fit each generation's
   shared memory (with a full fp32 bias too); only Hopper gets the long-key tiles
   and the split tail."""
-  from flashjax.common import launch
+  from flashjax.common import hardware, launch
   from flashjax.triton_gpu import plan as triton_plan_gpu
-  targets = list(launch._BY_CAPABILITY.values()) + [launch.AMD]
+  targets = list(hardware.BY_CAPABILITY.values()) + [hardware.AMD]
   for target in targets:
     for d in (64, 128, 256):
       for bias in (None, jax.ShapeDtypeStruct((1, 4, 8192, 8192), "float32")):
@@ -515,7 +502,7 @@ def test_default_tiles_fit_every_generation(dtype):
             row = 2 * d * jnp.dtype(dtype).itemsize + (
                 4 * getattr(kernel, other) if bias is not None else 0)
             n = getattr(kernel, streamed)
-            assert n == 16 or kernel.num_stages * n * row <= target.streamed_budget, (
+            assert n == 16 or kernel.num_stages * n * row <= launch.streamed_budget(target), (
                 target.name, d, kernel)
         p = pallas_triton.default_config(s, target)
         long_tiles = p.fwd.block_kv == 128 and p.fwd.num_warps == 8
@@ -568,7 +555,7 @@ def test_segment_ranges_lower_for_cuda():
 
   def fwd_bwd(q, k, v, ids):
     ops, s = spec.canonicalize(q, k, v, segment_ids=(ids, ids), causal=True)
-    static = pallas_triton._Static(pallas_triton.default_config(s), False)
+    static = platform.Static(pallas_triton.default_config(s), False)
     out, lse = pallas_triton.forward(ops, s, static)
     return pallas_triton.backward(ops, s, static, out, lse, out, lse)
 

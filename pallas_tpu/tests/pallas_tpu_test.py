@@ -11,9 +11,9 @@ from flashjax.common import conformance, conformance_kvcache
 
 class TestPallasTpuInterpret(conformance.ConformanceSuite):
   # Interpret mode simulates every DMA: keep sequences short.
-  CAPS = conformance.Capabilities(
-      name="pallas-tpu[interpret]", head_dim_ok=lambda d: d <= 256,
-      max_seq_len=400, hypothesis_examples=6)
+  CAPS = conformance.Capabilities.of(
+      pallas_tpu.CAPABILITIES, name="pallas-tpu[interpret]", max_seq_len=400,
+      hypothesis_examples=6)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_tpu.flash_attention(q, k, v, interpret=True, **kwargs)

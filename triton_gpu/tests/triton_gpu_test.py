@@ -26,7 +26,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
 class TestTritonGpu(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(name="triton[gpu]", head_dim_ok=lambda d: d <= 256)
+  CAPS = conformance.Capabilities.of(triton_gpu.CAPABILITIES, name="triton[gpu]")
 
   def attention(self, q, k, v, **kwargs):
     return triton_gpu.flash_attention(q, k, v, **kwargs)

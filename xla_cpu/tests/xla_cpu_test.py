@@ -12,7 +12,7 @@ from flashjax.common import (conformance, conformance_kvcache, conformance_packe
 
 
 class TestXlaCpu(conformance.ConformanceSuite):
-  CAPS = conformance.Capabilities(name="xla_cpu")
+  CAPS = conformance.Capabilities.of(xla_cpu.CAPABILITIES, name="xla_cpu")
 
   def attention(self, q, k, v, **kwargs):
     return xla_cpu.flash_attention(q, k, v, **kwargs)
@@ -21,8 +21,8 @@ class TestXlaCpu(conformance.ConformanceSuite):
 class TestXlaCpuSmallBlocks(conformance.ConformanceSuite):
   """Many blocks per sequence: exercises skipping and partial tail blocks."""
 
-  CAPS = conformance.Capabilities(name="xla_cpu[16x32]", max_seq_len=1000,
-                                  hypothesis_examples=8)
+  CAPS = conformance.Capabilities.of(xla_cpu.CAPABILITIES, name="xla_cpu[16x32]",
+                                     max_seq_len=1000, hypothesis_examples=8)
 
   def attention(self, q, k, v, **kwargs):
     return xla_cpu.flash_attention(

@@ -1,0 +1,137 @@
+"""The platform protocol: what every platform module declares and exposes.
+
+A platform module (``xla_cpu``, ``pallas_tpu``, ``pallas_gpu.mosaic``,
+``pallas_gpu.pallas_triton``, ``triton_gpu``) defines
+
+* ``NAME``: its registry name (``"xla"``, ``"pallas-tpu"``, ...);
+* ``CAPABILITIES``: a :class:`Capabilities`, declared once: dtypes, head dims and
+  contract features it runs. Its ``supported(spec)`` starts from
+  ``CAPABILITIES.unsupported(spec)``, and the conformance suite's flags come from
+  it (``conformance.Capabilities.of``);
+* ``CONFIG``: its config type (a frozen dataclass); a config of another type is a
+  ``ValueError`` (:func:`check_config`);
+* ``supported(spec) -> None | reason``, ``default_config(spec)``,
+  ``config_from_block_sizes(spec, block_q, block_kv)`` (:func:`block_sizes`) and
+  ``attention_from_operands(ops, spec, config=None[, interpret=False])``;
+* ``flash_attention``, the contract on arrays, made by :func:`entry`.
+
+Reasons and errors name no platform: the registry and :func:`entry` add it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import spec as spec_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Capabilities:
+  """What a platform runs; everything else raises ``NotImplementedError``.
+
+  Attributes:
+    dtypes: input dtypes.
+    max_head_dim: the largest of ``head_dim`` and ``head_dim_v``; None: any.
+    features: contract features (``spec.FEATURES``) the kernels implement.
+    interpret: the kernels have an interpret mode (``interpret=True`` on CPU).
+  """
+
+  dtypes: tuple[str, ...]
+  max_head_dim: int | None = None
+  features: frozenset[str] = frozenset(spec_lib.FEATURES)
+  interpret: bool = False
+
+  def __post_init__(self):
+    unknown = set(self.features) - set(spec_lib.FEATURES)
+    if unknown:
+      raise ValueError(f"features must be among {spec_lib.FEATURES}, got "
+                       f"{sorted(unknown)}")
+
+  def head_dim_ok(self, d: int) -> bool:
+    return self.max_head_dim is None or d <= self.max_head_dim
+
+  def unsupported(self, spec: spec_lib.AttentionSpec) -> str | None:
+    """Why ``spec`` is outside these capabilities, or None."""
+    if spec.dtype not in self.dtypes:
+      return f"dtype {spec.dtype} (supported: {', '.join(self.dtypes)})"
+    d = max(spec.head_dim, spec.head_dim_v)
+    if not self.head_dim_ok(d):
+      return f"head dim {d} > {self.max_head_dim}"
+    used = sorted(spec.features - self.features)
+    if used:
+      return f"features {', '.join(used)} not in this kernel"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The static half of a kernel platform's call (hashable: ``custom_vjp``'s
+  static argument): its resolved config and whether it runs interpreted."""
+
+  config: Any
+  interpret: bool = False
+
+
+def check_config(config, config_type: type, name: str):
+  """``config``, or ``ValueError`` unless it is exactly a ``config_type`` (a
+  subclass belongs to another platform: the Pallas-Triton config extends the
+  triton one)."""
+  if type(config) is not config_type:
+    raise ValueError(f"config must be a {config_type.__name__} (platform {name!r}), "
+                     f"got {type(config).__name__}")
+  return config
+
+
+def block_sizes(default_config, parts: tuple[str, ...]):
+  """A platform's ``config_from_block_sizes(spec, block_q=None, block_kv=None)``:
+  jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over ``default_config(spec)``,
+  set in the sub-configs named by ``parts`` (``""``: the config itself)."""
+
+  def config_from_block_sizes(spec, block_q=None, block_kv=None):
+    return with_block_sizes(default_config(spec), block_q, block_kv, parts)
+
+  return config_from_block_sizes
+
+
+def with_block_sizes(config, block_q, block_kv, parts: tuple[str, ...]):
+  """``config`` with ``block_q``/``block_kv`` (where not None) set in ``parts``."""
+  def one(c):
+    return dataclasses.replace(c, block_q=block_q or c.block_q,
+                               block_kv=block_kv or c.block_kv)
+  for part in parts:
+    config = one(config) if part == "" else dataclasses.replace(
+        config, **{part: one(getattr(config, part))})
+  return config
+
+
+def entry(name: str, attention_from_operands, capabilities: Capabilities):
+  """The platform's ``flash_attention(q, k, v, *, config=None, **contract)``:
+  validates the contract's arguments (``spec.canonicalize``) and runs
+  ``attention_from_operands``; a ``NotImplementedError`` names the platform."""
+
+  def flash_attention(q, k, v, *, config=None, interpret: bool = False, **kwargs):
+    ops, spec = spec_lib.canonicalize(q, k, v, **kwargs)
+    if interpret and not capabilities.interpret:
+      raise ValueError(f"interpret=True: platform {name!r} has no interpret mode")
+    extra = {"interpret": bool(interpret)} if capabilities.interpret else {}
+    try:
+      out, lse = attention_from_operands(ops, spec, config, **extra)
+    except NotImplementedError as e:
+      if type(e) is not NotImplementedError:  # e.g. vjp.SecondOrderError
+        raise
+      raise NotImplementedError(f"{name}: {e}") from e
+    return (out, lse) if spec.return_lse else out
+
+  flash_attention.__doc__ = (
+      f"Exact attention on the {name} platform; the contract of docs/DESIGN.md.\n\n"
+      "  Args: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]``;\n"
+      "  ``config``: the platform's config (default: its heuristic, or the autotune\n"
+      "  cache); " + ("``interpret``: run the kernels in Pallas' interpreter;\n  "
+                      if capabilities.interpret else "") +
+      "the contract's keywords (bias, mask, causal, sliding_window, segment_ids,\n"
+      "  softmax_scale, logits_soft_cap, sinks, dropout_rate, dropout_seed,\n"
+      "  return_lse).\n\n"
+      "  Returns: ``out [B, Sq, Hq, Dv]`` in q's dtype, or ``(out, lse [B, Hq, Sq])``.")
+  flash_attention.__qualname__ = "flash_attention"
+  return flash_attention

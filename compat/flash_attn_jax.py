@@ -1,0 +1,173 @@
+"""flash-attn-jax's and flash-attn3-jax's entries: ``flash_mha`` and
+``flash_mha_varlen`` with their shapes and meaning, translated into the contract
+(varlen sequences become segment ids; no ``[S, S]`` mask is built)."""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import api
+
+
+def _window_pair(window_size) -> tuple:
+  """flash-attn's ``window_size``: a ``(left, right)`` pair, -1 = unbounded."""
+  if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    raise ValueError("window_size must be a (left, right) pair of ints (-1 = "
+                     f"unbounded), got {window_size!r}")
+  return tuple(window_size)
+
+
+def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
+  """flash-attn-jax's entry: ``[B, S, H, D]``, ``window_size=(left, right)``."""
+  return api.flash_attention(q, k, v, softmax_scale=softmax_scale, causal=is_causal,
+                             sliding_window=_window_pair(window_size))
+
+
+def _rows(cu, total, used=None):
+  """Each packed row's sequence, and whether it is a real row: before the last
+  offset and, with ``used`` (flash-attn3's ``seqused_k``), among the first
+  ``used[s]`` rows of its sequence."""
+  rows = jnp.arange(total)
+  s = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0, cu.shape[0] - 2)
+  real = rows < cu[-1]
+  if used is not None:
+    real &= rows - cu[s] < used[s]
+  return rows, s, real
+
+
+def _cu_to_ids(cu, total, pad_id, used=None):
+  _, s, real = _rows(cu, total, used)
+  return jnp.where(real, s.astype(jnp.int32), pad_id)
+
+
+def _end_aligned_layout(cu_q, cu_k, total_q, total_k, used_k=None):
+  """Positions of packed q and k rows in a layout where sequence ``s`` occupies a
+  slot of ``max(len_q, len_k)`` and both its q and its k rows end at the slot's
+  end. In that layout one causal/window band with offset 0 (plus segment ids) is
+  each sequence's own bottom-right aligned band: key j of s is visible to query i
+  of s iff ``j <= i + len_k - len_q`` iff ``pos_k <= pos_q``. The layout has
+  ``total_q + total_k`` rows, a bound on the sum of slots known at trace time.
+  With ``used_k`` a sequence's keys are its first ``used_k[s]`` rows."""
+  len_q = jnp.diff(cu_q)
+  len_k = jnp.diff(cu_k) if used_k is None else used_k
+  slot_end = jnp.cumsum(jnp.maximum(len_q, len_k))
+
+  def positions(cu, lens, total, used):
+    rows, s, real = _rows(cu, total, used)
+    # Padding and unused rows park past every slot, each on a row of its own.
+    spare = jnp.cumsum(~real) - 1
+    return jnp.where(real, slot_end[s] - lens[s] + rows - cu[s], slot_end[-1] + spare)
+
+  return (positions(cu_q, len_q, total_q, None),
+          positions(cu_k, len_k, total_k, used_k))
+
+
+def _check_offsets(name, cu, total):
+  """``ValueError`` unless concrete offsets ``cu`` start at 0, never decrease and
+  end at most at ``total``; traced offsets pass unchecked (see flash_mha_varlen)."""
+  if isinstance(cu, jax.core.Tracer):
+    return
+  offsets = np.asarray(cu)
+  if offsets.size == 0 or offsets[0] != 0:
+    raise ValueError(f"{name} must start at 0, got {offsets.tolist()}")
+  if np.any(np.diff(offsets) < 0):
+    raise ValueError(f"{name} must be non-decreasing, got {offsets.tolist()}")
+  if offsets[-1] > total:
+    raise ValueError(f"{name} ends at {int(offsets[-1])}, past the {total} packed "
+                     f"rows: {offsets.tolist()}")
+
+
+def _check_used(seqused_k, cu_k):
+  """``ValueError`` unless ``seqused_k`` is a 1-D int array with one count per
+  sequence; concrete counts must lie in ``[0, len_k]``."""
+  n = cu_k.shape[0] - 1
+  if getattr(seqused_k, "shape", None) != (n,) or not jnp.issubdtype(
+      seqused_k.dtype, jnp.integer):
+    raise ValueError(f"seqused_k must be a 1-D int array of {n} key counts (one per "
+                     f"sequence), got {getattr(seqused_k, 'shape', seqused_k)}")
+  if isinstance(seqused_k, jax.core.Tracer) or isinstance(cu_k, jax.core.Tracer):
+    return
+  used, lens = np.asarray(seqused_k), np.diff(np.asarray(cu_k))
+  if np.any(used < 0) or np.any(used > lens):
+    raise ValueError(f"seqused_k must lie between 0 and each sequence's keys "
+                     f"{lens.tolist()}, got {used.tolist()}")
+
+
+def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale=None, is_causal=False,
+                     window_size=(-1, -1), *, seqused_k=None):
+  """flash-attn3-jax's varlen entry on packed ``[total, H, D]`` inputs.
+
+  Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
+  ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v; positions past the last offset are
+  padding (output 0). Lowered to segment ids (no ``[S, S]`` mask). Causal and
+  window bands are aligned bottom-right per sequence, as in FlashAttention: with
+  different q and k lengths, query i of a sequence sees key j iff
+  ``j <= i + len_k - len_q`` (and ``j >= i + len_k - len_q - left``). When
+  ``cu_seqlens_q is cu_seqlens_k`` this runs on the packed rows directly;
+  otherwise rows are moved to an end-aligned layout of ``total_q + total_k`` rows
+  first (more work, same result).
+
+  ``seqused_k`` (flash-attn3-jax's keyword): int ``[num_sequences]``; sequence
+  ``s`` then has keys ``cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]`` only
+  (its other k/v rows are ignored), and its band is aligned to that length.
+
+  Concrete offsets are checked: each must start at 0, never decrease and end at
+  most at its total, else ``ValueError``. Under ``jit`` the offsets are traced
+  values and are not checked: offsets that break these rules give unspecified
+  output (no error, no NaN guarantee), so validate them before tracing.
+  ``max_seqlen_q`` / ``max_seqlen_k`` are static ints (Python or numpy/JAX
+  integer scalars outside jit); they are checked, not used.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 3:
+      raise ValueError(f"{name} must be packed [total, H, D], got shape "
+                       f"{getattr(x, 'shape', None)}")
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if getattr(cu, "ndim", None) != 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
+      raise ValueError(f"{name} must be a 1-D int array of offsets, got "
+                       f"{getattr(cu, 'shape', cu)}")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                     f"{cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+  for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    try:
+      ok = not isinstance(m, bool) and operator.index(m) >= 1
+    except TypeError:  # not an integer, or a traced value
+      ok = False
+    if not ok:
+      raise ValueError(f"{name} must be a positive int (static), got {m!r}")
+  _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+  _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+  if seqused_k is not None:
+    _check_used(seqused_k, cu_seqlens_k)
+  window_size = _window_pair(window_size)
+  banded = is_causal or tuple(window_size) != (-1, -1)
+  if banded and (cu_seqlens_q is not cu_seqlens_k or q.shape[0] != k.shape[0] or
+                 seqused_k is not None):
+    pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],
+                                       k.shape[0], seqused_k)
+    rows = q.shape[0] + k.shape[0]
+    place = lambda x, pos: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[pos].set(
+        x, unique_indices=True)
+    # Ids: the sequence on its rows, -1 / -2 on q / k filler and padding rows
+    # (never equal, so those rows attend to nothing and output 0).
+    q_ids = jnp.full((rows,), -1, jnp.int32).at[pos_q].set(
+        _cu_to_ids(cu_seqlens_q, q.shape[0], -1))
+    kv_ids = jnp.full((rows,), -2, jnp.int32).at[pos_k].set(
+        _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k))
+    out = api.flash_attention(place(q, pos_q)[None], place(k, pos_k)[None],
+                              place(v, pos_k)[None], softmax_scale=softmax_scale,
+                              causal=is_causal, sliding_window=tuple(window_size),
+                              segment_ids=(q_ids[None], kv_ids[None]))
+    return out[0, pos_q]
+  q_ids = _cu_to_ids(cu_seqlens_q, q.shape[0], -1)
+  kv_ids = _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k)
+  out = api.flash_attention(q[None], k[None], v[None], softmax_scale=softmax_scale,
+                            causal=is_causal, sliding_window=tuple(window_size),
+                            segment_ids=(q_ids[None], kv_ids[None]))
+  return out[0]
