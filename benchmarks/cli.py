@@ -134,12 +134,8 @@ def main(argv=None):
       raise SystemExit(f"unknown direction {d!r}; known: {timing.DIRECTIONS}")
   shapes = shape_list(shape_sets)
   env = report.environment()
-  # Measured first, while the device memory is free; a decode row's K+V GB/s is
-  # set against it ("x copy").
-  env["copy_gbs"] = timing.copy_gbs(iters=iters, repeats=repeats)
   print(f"device: {env['device']} ({backend}), jax {env['jax']}, {env['date']}, "
-        f"dtype {dtype.name}, baseline {baseline}, "
-        f"copy {env['copy_gbs']:.0f} GB/s", flush=True)
+        f"dtype {dtype.name}, baseline {baseline}", flush=True)
 
   built, skipped = {}, {}
   for n in names:
@@ -161,12 +157,16 @@ def main(argv=None):
     report.write_csv(rows, os.path.join(out_dir, "results.partial.csv"))
   _progress(len(shapes), len(shapes), "done", t0)
   sys.stderr.write("\n")
+  # Measured after the rows: its 2 GiB (input and output) would otherwise be
+  # every row's allocator peak. A row's K+V GB/s is set against it ("x copy").
+  env["copy_gbs"] = timing.copy_gbs(iters=iters, repeats=repeats)
   report.set_ratios(rows, baseline)
   report.set_copy_ratios(rows, env["copy_gbs"])
   sweep = []
   if args.memory_sweep:
     sweep = memory_sweep([int(x) for x in args.memory_sweep.split(",")], dtype)
 
+  print(report.header(env))
   print(report.table(rows, baseline))
   if "jvp" in directions and "fwd" in directions:
     print("\nForward mode against the forward alone:\n" + report.jvp_vs_forward(rows))
