@@ -117,10 +117,11 @@ def check(fn, shape: Shape, dtype) -> str:
 
 def fa3_num_splits(shape: Shape, sms: int) -> int:
   """flash-attn3-jax's ``num_splits``: enough splits of the keys for one program
-  per SM over the batch's key heads, a power of two, at most 16. On an H200
-  (2026-11-24, docs/reports/2026-11-24-h200-kvcache.txt) 4 and 16 splits read
-  within 2% of each other and up to 9.4x faster than 1 split at B <= 8, and
-  made no difference at B >= 32."""
+  per SM over the batch's key heads, a power of two, at most 16 (4 at B8, 16 at
+  B1 for GQA 32:8). It picks the best of 1, 4 and 16 splits measured on an H200
+  (2026-11-24, docs/reports/2026-11-24-h200-kvcache.txt, contiguous): at B8 Sk64k
+  4 splits read 4011 GB/s (16: 3981, 1: 2697), at B1 Sk128k 16 splits 3278 (4:
+  1242, 1: 348); at B >= 32 the count made no difference."""
   want = -(-sms // (shape.batch * shape.heads_kv))
   return min(16, 1 << (want - 1).bit_length())
 

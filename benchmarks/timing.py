@@ -97,8 +97,8 @@ def allocator_peak_mib() -> float | None:
 
 def copy_gbs(mib: int | None = None, *, iters: int, repeats: int) -> float:
   """The device's copy bandwidth, GB/s: bytes read plus bytes written per second
-  by a jitted elementwise copy (``-x``: XLA may elide an identity, never this)
-  of a float32 array of ``mib`` MiB; by default 1 GiB on an accelerator (far past
+  by a jitted elementwise copy (``-x``, which XLA cannot elide as it may an
+  identity) of a float32 array of ``mib`` MiB; by default 1 GiB on an accelerator (far past
   its caches), 64 MiB on CPU."""
   if mib is None:
     mib = 64 if jax.default_backend() == "cpu" else 1024
