@@ -44,15 +44,31 @@ def set_ratios(rows: list[Row], baseline: str):
     r.ratio = b / r.ms if (b and r.ms and r.status == "ok") else None
 
 
+def set_copy_ratios(rows: list[Row], copy_gbs: float | None):
+  """x_copy = the row's K+V GB/s / the device's copy GB/s, for rows with GB/s."""
+  for r in rows:
+    r.x_copy = r.gbs / copy_gbs if (r.gbs and copy_gbs) else None
+
+
+def header(env: dict) -> str:
+  """Device, jax, date and, once measured, the copy bandwidth."""
+  line = f"{env['device']} ({env['backend']}), jax {env['jax']}, {env['date']}"
+  if env.get("copy_gbs"):
+    line += f", copy {env['copy_gbs']:.0f} GB/s (read + write)"
+  return line
+
+
 def _fmt(x, spec):
   return "-" if x is None else format(x, spec)
 
 
 def table(rows: list[Row], baseline: str) -> str:
-  head = ["impl", "shape", "dir", "ms", "TFLOP/s", "K+V GB/s", f"x {baseline}",
+  head = ["impl", "shape", "dir", "ms", "TFLOP/s", "K+V GB/s", "x copy",
+          f"x {baseline}",
           "compiled MiB", "alloc peak MiB", "status"]
   body = [[r.impl, r.shape, r.direction, _fmt(r.ms, ".3f" if (r.ms or 0) < 10 else ".1f"),
-           _fmt(r.tflops, ".3g"), _fmt(r.gbs, ".0f"),
+           _fmt(r.tflops, ".3g"), _fmt(r.gbs, ".0f" if (r.gbs or 0) >= 100 else ".3g"),
+           _fmt(r.x_copy, ".2f"),
            _fmt(r.ratio, ".2f"), _fmt(r.compiled_mib, ".1f"),
            _fmt(r.alloc_peak_mib, ".0f"), r.status] for r in rows]
   widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -142,7 +158,7 @@ def write_all(rows, sweep, env, out_dir, baseline, title, plot=True) -> dict:
     paths["png"] = png
   md = os.path.join(out_dir, "results.md")
   with open(md, "w") as f:
-    f.write(f"{env['device']} ({env['backend']}), jax {env['jax']}, {env['date']}\n\n")
+    f.write(header(env) + "\n\n")
     f.write(table(rows, baseline) + "\n")
     if sweep:
       f.write("\nCompiled memory of forward+backward (B=1, H=8, D=64):\n\n")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax.common import flops, reference, tolerances
-from flashjax.common.timer import time_interleaved_ms
+from flashjax.common.timer import time_interleaved_ms, time_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
@@ -31,6 +31,9 @@ class Row:
   # Bytes of K and V read per second by a forward: the figure of merit where the
   # call is memory-bound (decode).
   gbs: float | None = None
+  # gbs / the device's copy bandwidth (read + write bytes of a copy, measured once
+  # per run: copy_gbs): how close a memory-bound call comes to the memory limit.
+  x_copy: float | None = None
   ratio: float | None = None  # baseline time / this time (> 1 is faster)
   compiled_mib: float | None = None  # arguments + outputs + temporaries
   alloc_peak_mib: float | None = None  # GPU allocator peak so far in the process
@@ -92,6 +95,18 @@ def allocator_peak_mib() -> float | None:
   return stats["peak_bytes_in_use"] / 2**20
 
 
+def copy_gbs(mib: int | None = None, *, iters: int, repeats: int) -> float:
+  """The device's copy bandwidth, GB/s: bytes read plus bytes written per second
+  by a jitted elementwise copy (``-x``, which XLA cannot elide as it may an
+  identity) of a float32 array of ``mib`` MiB; by default 1 GiB on an accelerator (far past
+  its caches), 64 MiB on CPU."""
+  if mib is None:
+    mib = 64 if jax.default_backend() == "cpu" else 1024
+  x = jnp.ones((mib * 2**18,), jnp.float32)  # 2**18 floats in a MiB
+  ms = time_ms(jax.jit(jnp.negative), (x,), iters=iters, repeats=repeats)
+  return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
 def check(fn, shape: Shape, dtype) -> str:
   """Runs ``fn`` on a smaller slice (B=1, S<=512, <=2 kv heads; a packed shape
   whole, so pass packed.check_shape) against the reference; returns "ok" or why
@@ -136,7 +151,7 @@ def run_row(name, fn, shape: Shape, dtype, directions, *, iters, repeats):
   return run_shape({name: fn}, shape, dtype, directions, iters=iters, repeats=repeats)
 
 
-def _error(e) -> str:
+def error_status(e) -> str:
   return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
@@ -144,7 +159,12 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   """Rows for every (implementation, direction) of one shape, implementations in
   ``fns`` order. The implementations' forwards are timed in interleaved rounds
   (``timer.time_interleaved_ms``), then their forward+backwards, so their ratios
-  come from the same stretch of time; ``bwd`` is forward+backward minus forward."""
+  come from the same stretch of time; ``bwd`` is forward+backward minus forward.
+  A KV-cache shape runs its own variants (benchmarks/kvcache.py)."""
+  if shape.page_size is not None:
+    from . import kvcache  # kvcache builds on this module
+    return kvcache.run_shape(fns, shape, dtype, directions, iters=iters,
+                             repeats=repeats)
   q, k, v, do = random_inputs(shape, dtype)
   tangents = random_inputs(shape, dtype, seed=2)[:3] if "jvp" in directions else ()
   status, compiled, calls = {}, {}, {}
@@ -158,7 +178,7 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
       status[name] = check(build(small), small, dtype)
       fns[name] = build(shape)
     except Exception as e:  # a variant whose entry does not import
-      status[name], fns[name] = _error(e), None
+      status[name], fns[name] = error_status(e), None
     if status[name] != "ok":
       continue
     fn = fns[name]
@@ -185,7 +205,7 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     failed = next((t for d, t in mine.items()
                    if d != "jvp" and isinstance(t, Exception)), None)
     if status[name] != "ok" or failed is not None:
-      msg = status[name] if status[name] != "ok" else _error(failed)
+      msg = status[name] if status[name] != "ok" else error_status(failed)
       rows.extend(Row(**base, direction=d, status=msg) for d in directions)
       continue
     if "bwd" in directions:
@@ -202,7 +222,7 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     for d in directions:
       ms = mine[d]
       if isinstance(ms, Exception):
-        rows.append(Row(**base, direction=d, status=_error(ms)))
+        rows.append(Row(**base, direction=d, status=error_status(ms)))
         continue
       kv_bytes = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize
       rows.append(Row(**base, direction=d, ms=ms,

@@ -18,6 +18,16 @@ class Shape:
   # Packed rows: the lengths of the documents each row holds, in order (their
   # sum is seq_q = seq_k); empty for rows of one sequence.
   documents: tuple[int, ...] = ()
+  # KV-cache shapes (flash_mha_with_kvcache over a full cache of seq_k positions
+  # per row; benchmarks/kvcache.py): 0 = a contiguous cache, n > 0 = pages of n
+  # positions; None = not a cache shape.
+  page_size: int | None = None
+
+  def __post_init__(self):
+    p = self.page_size
+    if p is not None and (p < 0 or p and self.seq_k % p):
+      raise ValueError(f"page_size must be None, 0 (contiguous cache) or a positive "
+                       f"divisor of seq_k = {self.seq_k}, got {p}")
 
   @property
   def head_dim_v(self) -> int:
@@ -41,6 +51,23 @@ def packed(documents_sets, heads=16, head_dim=128, label=None):
                        head_dim=head_dim, causal=causal, documents=tuple(docs)))
   return tuple(out)
 
+
+def kvcache(sizes, heads_q=32, heads_kv=8, head_dim=128, page_sizes=(0, 16, 64, 256)):
+  """KV-cache shapes: each ``(batch, seq_q, seq_k)`` of ``sizes`` with a
+  contiguous cache (``-cache``) and with pages of each size (``-page<n>``)."""
+  return tuple(
+      Shape(name=f"B{b}-Sq{sq}-Sk{_k(sk)}-H{heads_q}:{heads_kv}-D{head_dim}-"
+            + (f"page{p}" if p else "cache"), batch=b, seq_q=sq, seq_k=sk,
+            heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, page_size=p)
+      for b, sq, sk in sizes for p in page_sizes)
+
+
+def _k(n: int) -> str:
+  return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+# The decode set's sizes: one-token steps and a 16-token chunk against long caches.
+DECODE = ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096), (1, 1, 131072))
 
 # 64 to 8192 tokens in one 16k row, long and short documents interleaved.
 MIXED_16K = (8192, 64, 2048, 512, 128, 4096, 1024, 256, 64)
@@ -82,8 +109,13 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     "decode": tuple(
         Shape(name=f"B{b}-Sq{sq}-Sk{sk // 1024}k-H32:8-D128", batch=b, seq_q=sq,
               seq_k=sk, heads_q=32, heads_kv=8, head_dim=128)
-        for b, sq, sk in ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096),
-                          (1, 1, 131072))),
+        for b, sq, sk in DECODE),
+    # The decode sizes through flash_mha_with_kvcache (benchmarks/kvcache.py),
+    # full caches, contiguous and paged (random page order): 16, 64, 256.
+    "kvcache": kvcache(DECODE),
+    # CPU: fp32, GQA 8:2, D = 64.
+    "kvcache_cpu": kvcache(((4, 1, 4096), (1, 16, 8192)), heads_q=8, heads_kv=2,
+                           head_dim=64, page_sizes=(0, 16, 256)),
     # CPU: fp32, B=1, H=8, D=64 (the CPU table of docs/BENCHMARKS.md).
     "cpu": tuple(
         Shape(name=f"B1-S{s}-H8-D64" + ("-causal" if c else ""), batch=1,

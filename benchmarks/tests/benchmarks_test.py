@@ -199,3 +199,100 @@ def test_cli_times_forward_mode_against_the_forward(tmp_path, capsys, monkeypatc
   assert [r["impl"] for r in jvp] == ["xla"]
   assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in jvp)
   assert "xla t: jvp / fwd = " in out
+
+
+# A KV cache at tiny size: GQA 4:2, 64 positions per row in pages of 16.
+KV_PAGED = Shape(name="kv-page16", batch=2, seq_q=2, seq_k=64, heads_q=4, heads_kv=2,
+                 head_dim=16, page_size=16)
+KV_CONTIGUOUS = Shape(**{**KV_PAGED.__dict__, "name": "kv-cache", "page_size": 0})
+
+
+def test_kvcache_sets_hold_the_decode_sizes_contiguous_and_paged():
+  want = {(s.batch, s.seq_q, s.seq_k) for s in get("decode")}
+  got = get("kvcache")
+  assert {(s.batch, s.seq_q, s.seq_k) for s in got} == want
+  assert sorted(s.page_size for s in got) == sorted([0, 16, 64, 256] * 4)
+  assert all(s.name.endswith("-cache" if not s.page_size else f"-page{s.page_size}")
+             for s in got)
+  with pytest.raises(ValueError, match="page_size"):
+    Shape(**{**KV_PAGED.__dict__, "page_size": 24})  # 64 is not whole pages of 24
+
+
+def test_kvcache_rows_are_checked_on_the_gathered_keys(monkeypatch):
+  """The paged cache's pages are scattered over the pool; flashjax's entry is
+  checked on the keys gathered back through the page table and timed, a variant
+  that reads the pool in pool order is flagged, a peer that does not import is
+  reported, and the backward is skipped by name."""
+  import sys
+
+  import jax
+
+  from flashjax.benchmarks import kvcache
+  from flashjax.common import reference
+  table = kvcache.page_table(KV_PAGED)
+  assert table.shape == (2, 4)
+  assert sorted(table.ravel()) == list(range(8)) and (table.ravel() != range(8)).any()
+
+  def pool_order(shape):  # ignores the page table
+    return lambda q, c, causal: reference.attention(
+        q, c.k.reshape(shape.batch, -1, *c.k.shape[2:]),
+        c.v.reshape(shape.batch, -1, *c.v.shape[2:]), causal=causal).astype(q.dtype)
+  monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # import fails
+  builders = kvcache.variants({"xla": impls.IMPLS["xla"].build(),
+                               "flash-attn3-jax": None})
+  # On an accelerator xla[kvcache], the fallback, runs beside the automatic choice.
+  beside = [] if jax.default_backend() == "cpu" else ["xla[kvcache]"]
+  assert list(builders) == ["flashjax[kvcache]", *beside, "flash-attn3-jax[kvcache]"]
+  builders["pool-order"] = pool_order
+  rows = kvcache.run_variants(builders, KV_PAGED, jnp.float32, ["fwd", "bwd"],
+                              iters=1, repeats=1)
+  by = {(r.impl, r.direction): r for r in rows}
+  ok = by["flashjax[kvcache]", "fwd"]
+  assert ok.status == "ok" and ok.ms > 0
+  kv_bytes = 2 * 2 * 64 * 2 * 16 * 4
+  assert ok.gbs == pytest.approx(kv_bytes / (ok.ms * 1e-3) / 1e9)
+  assert by["pool-order", "fwd"].status.startswith("WRONG")
+  assert "flash_attn3_jax" in by["flash-attn3-jax[kvcache]", "fwd"].status
+  assert all(r.status == kvcache.SKIPPED for r in rows if r.direction == "bwd")
+
+
+def test_cli_runs_kvcache_shapes_with_the_copy_limit(tmp_path, capsys, monkeypatch):
+  import jax
+
+  from flashjax.benchmarks import kvcache
+  from flashjax.common import shapes
+  monkeypatch.setitem(shapes.SHAPE_SETS, "kv_tiny", (KV_CONTIGUOUS, KV_PAGED))
+  rc = cli.main(["--shapes", "kv_tiny", "--impls", "xla,flash-attn3-jax",
+                 "--directions", "fwd,bwd", "--iters", "1", "--repeats", "1",
+                 "--no-plot", "--out", str(tmp_path)])
+  assert rc == 0
+  out = capsys.readouterr().out
+  copy = float(out.split(", copy ")[1].split(" GB/s")[0])
+  assert copy > 0
+  if jax.default_backend() == "cpu":
+    assert "not run: flash-attn3-jax" in out
+  with open(tmp_path / "results.csv") as f:
+    rows = [r for r in csv.DictReader(f) if r["impl"] == "flashjax[kvcache]"]
+  assert [(r["shape"], r["direction"]) for r in rows] == [
+      ("kv-cache", "fwd"), ("kv-cache", "bwd"), ("kv-page16", "fwd"),
+      ("kv-page16", "bwd")]
+  for r in rows:
+    if r["direction"] == "fwd":
+      assert r["status"] == "ok" and float(r["x_copy"]) > 0
+      # The header's copy bandwidth is rounded to whole GB/s.
+      assert float(r["x_copy"]) * copy == pytest.approx(float(r["gbs"]), rel=0.5 / copy + 1e-9)
+    else:
+      assert r["status"] == kvcache.SKIPPED and not r["x_copy"]
+  md = (tmp_path / "results.md").read_text()
+  assert "x copy" in md and " GB/s (read + write)" in md.splitlines()[0]
+
+
+def test_copy_bandwidth_is_measured_and_sets_the_x_copy_column():
+  gbs = timing.copy_gbs(4, iters=1, repeats=1)
+  assert 0 < gbs < 1e5
+  rows = [timing.Row(impl="a", shape="s", seq=1, causal=False, direction="fwd",
+                     ms=1.0, gbs=2 * gbs),
+          timing.Row(impl="a", shape="s", seq=1, causal=False, direction="bwd",
+                     ms=1.0)]
+  report.set_copy_ratios(rows, gbs)
+  assert rows[0].x_copy == pytest.approx(2.0) and rows[1].x_copy is None
