@@ -191,15 +191,20 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           k_ids = kv_ids(slot, masked)
           tile_bias = bias_tile(slot)
           plgpu.barrier_arrive(k_free.at[slot])
+          # Logits are scale * s + bias, then soft-capped (the contract's order).
           if g.soft_cap is not None:
             cap = g.soft_cap
-            s2, mult = jnp.tanh(s2 * (g.softmax_scale / cap)) * (cap * LOG2E), 1.0
+            if tile_bias is None:
+              x = s2 * (g.softmax_scale / cap)
+            else:
+              x = (s2 * g.softmax_scale + tile_bias.astype(jnp.float32)) * (1.0 / cap)
+            s2, mult = jnp.tanh(x) * (cap * LOG2E), 1.0
+          elif tile_bias is not None:
+            s2, mult = s2 * scale2 + tile_bias.astype(jnp.float32) * LOG2E, 1.0
           else:
             # The scale rides in the exp2 argument (one FMA per element); the row
             # max commutes with a positive scale.
             mult = scale2
-          if tile_bias is not None:
-            s2, mult = s2 * mult + tile_bias.astype(jnp.float32) * LOG2E, 1.0
           if masked:
             rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
                                           layout=plgpu.Layout.WGMMA) + r0
