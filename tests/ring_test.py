@@ -151,6 +151,45 @@ FOUR = PRELUDE + textwrap.dedent("""
     assert grads[0].sharding.spec[:2] == ("data", "seq"), grads[0].sharding
     print("ok automatic", flush=True)
 
+    # Auto mesh axes (a Mesh built by hand): the split is decided after tracing,
+    # and the kernel platform's partitioned call (common/partition.py) runs the
+    # ring on the shards it is given; zigzag for causal, with dropout.
+    mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+
+    def auto(pspec, sq=S, **kw):
+        sh = NamedSharding(mesh3, P(*pspec))
+        q, k, v = rand(B, sq, H, 16), rand(B, S, 2, 16), rand(B, S, 2, 16)
+        do, dlse = rand(B, sq, H, 16), rand(B, H, sq)
+        diff = {{n: arrays[kw.pop(n)] for n in ("sinks", "row_bias") if n in kw}}
+        extra = dict(platform="pallas-triton", interpret=True, backend="gpu")
+        total = lambda out, lse: (jnp.sum(out * do) + jnp.sum(lse * dlse), (out, lse))
+        call = lambda f, q, k, v, diff, **x: total(*f(
+            q, k, v, return_lse=True, bias=diff.get("row_bias"),
+            sinks=diff.get("sinks"), **kw, **x))
+        step = jax.jit(jax.value_and_grad(
+            lambda *a: call(flashjax.flash_attention, *a, **extra),
+            argnums=(0, 1, 2, 3), has_aux=True))
+        put = lambda x: jax.device_put(x, sh)
+        compiled = step.lower(put(q), put(k), put(v), diff).compile()
+        (_, (out, lse)), grads = compiled(put(q), put(k), put(v), diff)
+        (_, (rout, rlse)), rgrads = jax.value_and_grad(
+            lambda *a: call(reference.attention, *a), argnums=(0, 1, 2, 3),
+            has_aux=True)(q, k, v, diff)
+        np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
+            np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+        assert grads[0].sharding.spec[:2] == pspec[:2], grads[0].sharding
+        print("ok auto", pspec, kw, list(diff), flush=True)
+        return compiled.as_text()
+
+    hlo = auto(("data", "seq"), causal=True, dropout_rate=0.2, dropout_seed=4,
+               sinks="sinks")
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+    # Sq != Sk, the band off the diagonal, a bias row for all queries (its
+    # gradient summed over the ring), heads split on the other axis.
+    auto((None, "seq", "data"), sq=32, sliding_window=(20, 3), row_bias="row_bias")
+
     # Per-device memory of fwd+bwd grows linearly in the local length (fixed
     # block sizes, so no kernel tile grows with it).
     from flashjax.xla_cpu import XlaConfig
