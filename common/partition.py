@@ -11,9 +11,9 @@ k's, the same axis, lengths divisible by its size) run ring attention on the
 shards (common/ring.py): K/V blocks travel by collective-permute over that axis,
 nothing is gathered; causal calls move their rows into the zigzag layout and back
 inside the lowering (two half-shard permutes per array each way). Any other
-sequence split is gathered, which is correct, only slower. The head
-axis is split only when the number of head shards divides the kv head count, so each
-shard keeps whole query groups (q head h reads kv head h // G).
+sequence split is gathered, which is correct, only slower. The head axis is split
+only when the number of head shards divides the kv head count, so each shard
+keeps whole query groups (q head h reads kv head h // G).
 Cotangents of operands broadcast over a split axis (a bias shared by all batch
 elements, the sinks) are summed over that axis's devices. The dropout hash takes
 global batch and head indices: each shard passes its offsets to the kernels with

@@ -155,7 +155,8 @@ FOUR = PRELUDE + textwrap.dedent("""
     import os
     import flashjax.ring as ring_module
     heads, inner = [], ring_module._ring_attention
-    ring_module._ring_attention = lambda **a: heads.append(a["k"].shape[2]) or inner(**a)
+    ring_module._ring_attention = lambda **a: (
+        heads.append(a["k"].shape[2]) or inner(**a))
     os.environ["FORCE_MHA"] = "1"
     out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True))(
         put(q), put(k), put(v))
@@ -309,6 +310,51 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
   for g, r in zip(grads, rgrads):
     np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
   assert float(jnp.std(rgrads[0])) > 0.05
+
+
+def _auto_mesh_ring(platform, rows_per_device=256, **extra):
+  """bf16 causal attention on sequences split over every device by an Auto mesh
+  axis, under jit: the partitioned call runs the ring (collective-permutes, no
+  all-gather); outputs and gradients match the fp32 reference on the same inputs.
+  Dropout where the platform has it (not Mosaic GPU)."""
+  from jax.sharding import NamedSharding
+  from flashjax.common import tolerances
+  n = jax.device_count()
+  mesh = Mesh(np.array(jax.devices()), ("seq",))
+  sh = NamedSharding(mesh, P(None, "seq"))
+  ks = jax.random.split(jax.random.key(0), 4)
+  shape = lambda h: (2, rows_per_device * n, h, 64)
+  q, do = (jax.random.normal(x, shape(4), jnp.bfloat16) for x in ks[:2])
+  k, v = (jax.random.normal(x, shape(2), jnp.bfloat16) for x in ks[2:])
+  kw = dict(causal=True)
+  if platform != "pallas":
+    kw.update(dropout_rate=0.1, dropout_seed=7)
+
+  def loss(f, **more):
+    def run(q, k, v):
+      out = f(q, k, v, **kw, **more)
+      return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+    return jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True)
+
+  step = jax.jit(loss(flashjax.flash_attention, platform=platform, **extra))
+  args = [jax.device_put(x, sh) for x in (q, k, v)]
+  hlo = step.lower(*args).compile().as_text()
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+  (_, out), grads = step(*args)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  (_, ref), ref_grads = loss(reference.attention)(*f32)
+  tolerances.assert_close(np.asarray(out, np.float32), ref,
+                          tolerances.forward("bfloat16"), name="out")
+  for name, g, r in zip("qkv", grads, ref_grads):
+    tolerances.assert_close(np.asarray(g, np.float32), r,
+                            tolerances.grad("bfloat16"), name=f"d{name}")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs 2 or more GPUs (the lent multi-GPU machines)")
+@pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
+def test_auto_mesh_ring_on_gpus(platform):
+  _auto_mesh_ring(platform)
 
 
 def _one_device(fn, *args):
