@@ -120,7 +120,6 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
   """
   if key_padding_mask is not None:
     segment_ids = _key_padding_to_segments(key_padding_mask, q, k, segment_ids)
-  k, v = _force_mha(q, k, v)
   from . import ring  # q, k, v split along the sequence: a ring, not a gather
   route = ring.sequence_axis(q, k)
   if route is not None:
@@ -130,6 +129,10 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_lse=return_lse,
         backend=backend, platform=platform, config=config, interpret=interpret)
+  if _env_flag("FORCE_MHA") and getattr(k, "ndim", 0) == 4 and getattr(
+      q, "ndim", 0) == 4 and q.shape[2] != k.shape[2] and q.shape[2] % k.shape[2] == 0:
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   ops, spec = spec_lib.canonicalize(
       q, k, v, bias=bias, mask=mask, causal=causal, sliding_window=sliding_window,
       segment_ids=segment_ids, softmax_scale=softmax_scale,
@@ -138,18 +141,6 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
   out, lse = dispatch(ops, spec, backend=detect_backend(backend, q),
                       platform=platform, config=config, interpret=interpret)
   return (out, lse) if return_lse else out
-
-
-def _force_mha(q, k, v):
-  """K and V with their heads repeated to q's when ``FORCE_MHA`` is set
-  (jax-flash-attn2's switch), before every route: kernel, partitioned call, ring."""
-  if not _env_flag("FORCE_MHA") or any(getattr(x, "ndim", 0) != 4 for x in (q, k, v)):
-    return k, v
-  heads_q, heads_kv = q.shape[2], k.shape[2]
-  if heads_q == heads_kv or heads_q % heads_kv:
-    return k, v  # MHA already, or head counts that canonicalize refuses
-  rep = heads_q // heads_kv
-  return jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
 
 
 def _key_padding_to_segments(key_padding_mask, q, k, segment_ids):
@@ -220,7 +211,6 @@ def _cached_flash_attention(backend, platform, blocksize_q, blocksize_k,
     segs = segment_ids
     if kpm is not None:
       segs = _key_padding_to_segments(kpm, query, key, segment_ids)
-    key, value = _force_mha(query, key, value)
     ops, spec = spec_lib.canonicalize(
         query, key, value, bias=bias, mask=attention_mask, causal=causal,
         sliding_window=sliding_window, segment_ids=segs,

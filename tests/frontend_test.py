@@ -255,26 +255,6 @@ def test_force_mha_environment_variable(monkeypatch):
   _close(flashjax.flash_attention(q, k, v), reference.attention(q, k, v))
 
 
-@pytest.mark.parametrize("entry", ["flash_attention", "get_cached_flash_attention"])
-def test_force_mha_reaches_the_platform(monkeypatch, entry):
-  """Both entries hand the platform MHA under FORCE_MHA (the ring route is in
-  ring_test.py), and GQA without it."""
-  seen, dispatch = [], api.dispatch
-
-  def spy(ops, spec, **kwargs):
-    seen.append(spec.heads_kv)
-    return dispatch(ops, spec, **kwargs)
-
-  monkeypatch.setattr(api, "dispatch", spy)
-  call = (flashjax.flash_attention if entry == "flash_attention" else
-          flashjax.get_cached_flash_attention())
-  q, k, v = _qkv(sq=16, sk=16, seed=12)
-  _close(call(q, k, v), reference.attention(q, k, v))
-  monkeypatch.setenv("FORCE_MHA", "1")
-  _close(call(q, k, v), reference.attention(q, k, v))
-  assert seen == [2, 4], seen
-
-
 def test_platform_aliases():
   assert registry.resolve("jax", "cpu") == "xla"
   assert registry.resolve("pallas", "tpu") == "pallas-tpu"
