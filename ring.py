@@ -11,15 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import api, registry
+from . import api
 from .common import ring as ring_lib
 from .common import spec as spec_lib
 from .common import vjp
 from .common.mask import Band
 from .common.ring import LAYOUTS, zigzag_order, zigzag_restore
-
-# Platforms whose dropout takes sequence offsets (dropout.position_seed).
-DROPOUT_POSITION_OFFSETS = ("xla",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +33,6 @@ class HopKernel:
     return vjp.kernel_parts(lambda: api.dispatch(
         ops, spec, backend=self.backend, platform=self.platform, config=self.config,
         interpret=self.interpret))
-
-
-def _platform(platform, backend, spec, interpret):
-  """The platform to ask for: dropout needs one that hashes global positions."""
-  if spec.dropout_rate == 0:
-    return platform
-  if platform is None and not interpret:
-    return "xla"
-  name = registry.resolve(platform or "pallas", backend)
-  if name not in DROPOUT_POSITION_OFFSETS:
-    raise NotImplementedError(
-        f"platform {name!r} cannot run dropout in ring attention (its kernels hash "
-        f"shard-local positions); use platform='xla' (dropout_rate="
-        f"{spec.dropout_rate})")
-  return platform
 
 
 def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=False,
@@ -127,8 +109,7 @@ def _ring_attention(q, k, v, *, axis_name, layout="contiguous", causal=False,
                            band=band, batch_axes=tuple(batch_axes),
                            head_axes=tuple(head_axes))
   backend = api.detect_backend(backend, q)
-  kernel = HopKernel(backend, _platform(platform, backend, spec, interpret), config,
-                     bool(interpret))
+  kernel = HopKernel(backend, platform, config, bool(interpret))
   out, lse = ring_lib.attention(kernel, plan, ops, spec)
   return (out, lse) if return_lse else out
 

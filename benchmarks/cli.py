@@ -47,8 +47,8 @@ def _parser():
                  "jax-xla at B=1, H=8, D=64 (compile only)")
   p.add_argument("--ring", type=int, metavar="S",
                  help="ring mode: sequence length S split over every device "
-                 "present; ring attention vs all-gather vs one device "
-                 "(benchmarks/ring.py), then exit")
+                 "present; ring attention vs the partitioned call (Auto axis) vs "
+                 "all-gather vs one device (benchmarks/ring.py), then exit")
   p.add_argument("--quick", action="store_true",
                  help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
   p.add_argument("--out", help="output folder (default ./flashjax-bench/<time>, "

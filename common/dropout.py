@@ -98,16 +98,21 @@ def unpack_seed(seed):
   return tuple(parts + [0] * (5 - len(parts)))
 
 
-def kernel_seed(dropout_seed):
-  """``int32 [4]`` a kernel reads: seed, batch offset, head offset, 0. Takes the
-  call's scalar seed (offsets 0) or a ``shard_seed``. Four entries because GPU
-  Pallas blocks must be powers of two."""
-  if jnp.ndim(dropout_seed) == 1 and dropout_seed.shape[0] > 3:
+def kernel_seed(dropout_seed, positions: bool = False):
+  """``int32`` words a kernel reads: seed, batch offset, head offset, then (with
+  ``positions``) row and key offsets, zero-padded to 4 (8 with ``positions``:
+  GPU Pallas blocks must be powers of two). Takes the call's scalar seed (offsets
+  0), a ``shard_seed``, or with ``positions`` also a ``position_seed``. A kernel
+  adds the offsets to its local indices and hashes with :func:`row_key` and
+  :func:`keep_from_row_key`."""
+  if not positions and jnp.ndim(dropout_seed) == 1 and dropout_seed.shape[0] > 3:
     raise NotImplementedError(
         "dropout with sequence offsets (a position_seed, as ring attention passes "
-        "per hop) is not implemented in this kernel; use platform='xla'")
+        "per hop) needs a reader of the row and key offsets: "
+        "kernel_seed(..., positions=True)")
   x = jax.lax.bitcast_convert_type(_u32(dropout_seed), jnp.int32).reshape(-1)
-  return jnp.pad(x, (0, 4 - x.shape[0]))
+  size = 8 if positions else 4
+  return jnp.pad(x, (0, size - x.shape[0]))
 
 
 def keep_numpy(seed: int, b, h, i, j, rate: float) -> np.ndarray:

@@ -6,10 +6,14 @@ platform's forward and backward are wrapped in ``custom_partitioning``: the shar
 rule tells the partitioner that batch and heads are independent, and the partition
 callback runs the kernel on each device's shard with a spec of local sizes.
 
-Sequence and head-dim axes are never split (attention needs whole rows): inputs
-sharded there are gathered along those axes, which is correct, only slower. The head
-axis is split only when the number of head shards divides the kv head count, so each
-shard keeps whole query groups (q head h reads kv head h // G).
+The head-dim axis is never split. Sequences split along one mesh axis (q's and
+k's, the same axis, lengths divisible by its size) run ring attention on the
+shards (common/ring.py): K/V blocks travel by collective-permute over that axis,
+nothing is gathered; causal calls move their rows into the zigzag layout and back
+inside the lowering (two half-shard permutes per array each way). Any other
+sequence split is gathered, which is correct, only slower. The head axis is split
+only when the number of head shards divides the kv head count, so each shard
+keeps whole query groups (q head h reads kv head h // G).
 Cotangents of operands broadcast over a split axis (a bias shared by all batch
 elements, the sinks) are summed over that axis's devices. The dropout hash takes
 global batch and head indices: each shard passes its offsets to the kernels with
@@ -29,6 +33,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import dropout as dropout_lib
+from . import ring as ring_lib
 from .spec import AttentionSpec, Operands
 
 
@@ -38,29 +43,48 @@ def _axes(entry) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _plan(mesh, spec: AttentionSpec, q_sharding):
-  """``(batch_axes, head_axes)`` of the mesh that split q's batch and head dims."""
-  pspec = getattr(q_sharding, "spec", None)
+def _pspec4(sharding) -> tuple | None:
+  pspec = getattr(sharding, "spec", None)
   if pspec is None:
-    return (), ()
-  pspec = tuple(pspec) + (None,) * (4 - len(tuple(pspec)))
+    return None
+  return tuple(pspec) + (None,) * (4 - len(tuple(pspec)))
+
+
+def _plan(mesh, spec: AttentionSpec, arg_shapes):
+  """``(batch_axes, head_axes, seq_axis)`` of the mesh that split q's batch and
+  head dims and (for the ring) the sequences of q and k; ``seq_axis`` is None
+  where the sequences stay whole."""
+  pq = _pspec4(arg_shapes[0].sharding)
+  if pq is None:
+    return (), (), None
+  pk = _pspec4(arg_shapes[1].sharding) or (None,) * 4
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  b_axes, h_axes = _axes(pspec[0]), _axes(pspec[2])
+  seq = _axes(pq[1])
+  ring = (len(seq) == 1 and _axes(pk[1]) == seq and mesh.shape[seq[0]] > 1
+          and spec.seq_q % mesh.shape[seq[0]] == 0
+          and spec.seq_k % mesh.shape[seq[0]] == 0)
+  seq_axis = seq[0] if ring else None
+  b_axes = tuple(a for a in _axes(pq[0]) if a != seq_axis)
+  h_axes = tuple(a for a in _axes(pq[2]) if a != seq_axis)
   if spec.batch % size(b_axes):
     b_axes = ()
   if spec.heads_kv % size(h_axes):
     h_axes = ()
-  return b_axes, h_axes
+  return b_axes, h_axes, seq_axis
 
 
-def _local_spec(spec: AttentionSpec, nb: int, nh: int) -> AttentionSpec:
+def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1) -> AttentionSpec:
+  """Shard sizes; ``ns`` ring shards split the sequences and the rows of a bias
+  or mask (its columns stay whole: the ring slices each hop's keys)."""
   def local4(shape):
     if shape is None:
       return None
     bb, hb, sq, sk = shape
-    return (bb // nb if bb > 1 else 1, hb // nh if hb > 1 else 1, sq, sk)
+    return (bb // nb if bb > 1 else 1, hb // nh if hb > 1 else 1,
+            sq // ns if sq > 1 else 1, sk)
   return dataclasses.replace(spec, batch=spec.batch // nb, heads_q=spec.heads_q // nh,
-                             heads_kv=spec.heads_kv // nh,
+                             heads_kv=spec.heads_kv // nh, seq_q=spec.seq_q // ns,
+                             seq_k=spec.seq_k // ns,
                              bias_shape=local4(spec.bias_shape),
                              mask_shape=local4(spec.mask_shape))
 
@@ -72,28 +96,30 @@ def _present(ops_struct: Operands) -> list[str]:
   return [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
 
 
-def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h) -> list:
-  """PartitionSpec of each present operand, in ``Operands`` order."""
+def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h, s=None) -> list:
+  """PartitionSpec of each present operand, in ``Operands`` order; ``s``, the
+  ring axis, splits the sequences and a bias/mask's rows."""
   bs, hs = b or None, h or None
 
   def four(shape):
-    return P(bs if shape[0] > 1 else None, hs if shape[1] > 1 else None, None, None)
+    return P(bs if shape[0] > 1 else None, hs if shape[1] > 1 else None,
+             s if shape[2] > 1 else None, None)
 
-  row = P(bs, None, hs, None)
+  row = P(bs, s, hs, None)
   specs = {"q": row, "k": row, "v": row,
            "bias": four(spec.bias_shape) if ops.bias is not None else None,
            "mask": four(spec.mask_shape) if ops.mask is not None else None,
-           "q_segment_ids": P(bs, None), "kv_segment_ids": P(bs, None),
+           "q_segment_ids": P(bs, s), "kv_segment_ids": P(bs, s),
            "sinks": P(hs, None), "dropout_seed": P()}
   return [specs[n] for n in _present(ops)]
 
 
-def _shardings(kind, spec, ops_struct, b, h):
+def _shardings(kind, spec, ops_struct, b, h, s=None):
   """``(argument pspecs, result pspecs)`` of one direction's call. The backward
   takes the operands then ``out, lse, do, dlse`` and returns the present
   operands' cotangents."""
-  ops_p = _operand_pspecs(spec, ops_struct, b, h)
-  row, lse = P(b or None, None, h or None, None), P(b or None, h or None, None)
+  ops_p = _operand_pspecs(spec, ops_struct, b, h, s)
+  row, lse = P(b or None, s, h or None, None), P(b or None, h or None, s)
   if kind == "fwd":
     return ops_p, [row, lse]
   grads = [p for n, p in zip(_present(ops_struct), ops_p) if n in GRAD_FIELDS]
@@ -168,10 +194,14 @@ def _wrapped(kind: str):
 
   def partition(static, mesh, arg_shapes, result_shape):
     fn, spec, config, ops_struct = static
-    b, h = _plan(mesh, spec, arg_shapes[0].sharding)
-    local = _local_spec(spec, math.prod(mesh.shape[a] for a in b),
-                        math.prod(mesh.shape[a] for a in h))
-    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h)
+    b, h, s = _plan(mesh, spec, arg_shapes)
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    local = _local_spec(spec, size(b), size(h), mesh.shape[s] if s else 1)
+    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h, s)
+    if s is not None:
+      lower = functools.partial(_ring_lower, kind, static, local, b, h, s,
+                                mesh.shape[s])
+      return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
 
     def lower(*args):
       if spec.dropout_rate > 0:
@@ -180,29 +210,89 @@ def _wrapped(kind: str):
         return fn(_unflatten(ops_struct, args), local, config)
       grads = _grads(fn, ops_struct, args, local, config)
       names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
-      out = []
-      for n, g in zip(names, grads):
-        # Cotangents of operands broadcast over a split axis are partial sums.
-        if n == "bias":
-          shape = spec.bias_shape
-          axes = (b if shape[0] == 1 else ()) + (h if shape[1] == 1 else ())
-          g = jax.lax.psum(g, axes) if axes else g
-        elif n == "sinks" and b:
-          g = jax.lax.psum(g, b)
-        out.append(g)
-      return tuple(out)
+      return tuple(_summed(n, g, spec, b, h) for n, g in zip(names, grads))
 
     return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
 
   def infer(static, mesh, arg_shapes, result_shape):
     _, spec, _, ops_struct = static
-    b, h = _plan(mesh, spec, arg_shapes[0].sharding)
-    return _named(mesh, _shardings(kind, spec, ops_struct, b, h)[1])
+    b, h, s = _plan(mesh, spec, arg_shapes)
+    return _named(mesh, _shardings(kind, spec, ops_struct, b, h, s)[1])
 
   wrapped.def_partition(
       partition=partition, infer_sharding_from_operands=infer,
       sharding_rule=functools.partial(_sharding_rule, kind))
   return wrapped
+
+
+def _ring_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *args):
+  """One direction of ring attention on this device's shards (``local`` sizes),
+  the ring running over the mesh axis ``axis`` of ``n`` devices. Causal calls
+  with equal lengths run in the zigzag layout (equal work per device), their rows
+  moved there and back by ``ring.to_zigzag`` / ``from_zigzag``."""
+  fn, spec, config, ops_struct = static
+  zigzag = spec.causal and spec.seq_q == spec.seq_k and local.seq_q % 2 == 0
+  plan = ring_lib.RingPlan(axis_name=axis, num_shards=n,
+                           layout="zigzag" if zigzag else "contiguous",
+                           band=spec.band, batch_axes=b_axes, head_axes=h_axes)
+  fwd, bwd = (fn, None) if kind == "fwd" else (None, fn)
+  kernel = ring_lib.FixedKernel(fwd, bwd, config)
+  count = len(_present(ops_struct))
+  ops = _unflatten(ops_struct, args[:count])
+  to = (lambda x, dim=1: ring_lib.to_zigzag(x, axis, dim)) if zigzag else (
+      lambda x, dim=1: x)
+  back = (lambda x, dim=1: ring_lib.from_zigzag(x, axis, dim)) if zigzag else (
+      lambda x, dim=1: x)
+
+  def dense(x, inverse=False):
+    """A bias/mask block in the layout: rows moved, whole columns reordered."""
+    if x is None or not zigzag:
+      return x
+    if x.shape[2] > 1:
+      x = (back if inverse else to)(x, 2)
+    if x.shape[3] > 1:
+      x = (ring_lib.zigzag_restore if inverse else ring_lib.zigzag_order)(x, n, 3)
+    return x
+
+  ids = lambda x: None if x is None else to(x)
+  ops = ops._replace(q=to(ops.q), k=to(ops.k), v=to(ops.v), bias=dense(ops.bias),
+                     mask=dense(ops.mask), q_segment_ids=ids(ops.q_segment_ids),
+                     kv_segment_ids=ids(ops.kv_segment_ids))
+  ring_lib.check_local_shapes(plan, local)
+  if kind == "fwd":
+    out, lse = ring_lib.forward(kernel, plan, ops, local)
+    return back(out), back(lse, 2)
+  out, lse, do, dlse = args[count:]
+  grads = ring_lib.backward(kernel, plan, ops, local, to(out), to(lse, 2), to(do),
+                            to(dlse, 2))
+  result = []
+  for name in _present(ops_struct):
+    if name not in GRAD_FIELDS:
+      continue
+    g = getattr(grads, name)
+    if name in ("q", "k", "v"):
+      g = back(g)
+    elif name == "bias":
+      g = dense(g, inverse=True)
+    result.append(_summed(name, g, spec, b_axes, h_axes, axis))
+  return tuple(result)
+
+
+def _summed(name, g, spec: AttentionSpec, b_axes, h_axes, ring_axis=None):
+  """The cotangent ``g`` of operand ``name``, summed over the split axes the
+  operand is broadcast along (they hold partial sums): a bias with one batch
+  element, head or (in a ring) query row for all, the sinks (shared by batch and
+  rows)."""
+  ring = (ring_axis,) if ring_axis else ()
+  if name == "bias":
+    shape = spec.bias_shape
+    axes = ((b_axes if shape[0] == 1 else ()) + (h_axes if shape[1] == 1 else ()) +
+            (ring if shape[2] == 1 else ()))
+  elif name == "sinks":
+    axes = tuple(b_axes) + ring
+  else:
+    axes = ()
+  return jax.lax.psum(g, axes) if axes else g
 
 
 def _with_shard_seed(ops_struct, args, b_axes, h_axes, local: AttentionSpec):

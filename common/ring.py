@@ -155,6 +155,21 @@ class RingPlan:
     return bands, table
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedKernel:
+  """A hop kernel (``forward``'s and ``backward``'s ``kernel``) that gives every
+  hop the same platform functions and config: the one the whole call resolved
+  (common/partition.py runs the ring inside a platform's partitioned call)."""
+
+  forward: Any
+  backward: Any
+  config: Any
+
+  def __call__(self, ops, spec):
+    del ops, spec
+    return self.forward, self.backward, self.config
+
+
 def check_local_shapes(plan: RingPlan, spec: AttentionSpec):
   """The local sequence lengths must split into the layout's chunks."""
   for name, s in (("q", spec.seq_q), ("k", spec.seq_k)):

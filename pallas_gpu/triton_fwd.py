@@ -170,7 +170,7 @@ def in_specs(x: tp.KernelOperands, plan: tp.Plan, q_map, kv_map, bh_map):
     out.append(("q_ids", q_map, x.q_ids))
     out.append(("kv_ids", kv_map, x.kv_ids))
   if x.seed is not None:
-    out.append(("seed", pl.BlockSpec((4,), lambda *g: (0,)), x.seed))
+    out.append(("seed", pl.BlockSpec((8,), lambda *g: (0,)), x.seed))
   return out
 
 

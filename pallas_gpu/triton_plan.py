@@ -164,7 +164,7 @@ class KernelOperands(NamedTuple):
   mask: Any  # same, int8
   q_ids: Any  # [B, Sqp] int32
   kv_ids: Any  # [B, Skp] int32
-  seed: Any  # [4] int32: dropout_lib.kernel_seed
+  seed: Any  # [8] int32: dropout_lib.kernel_seed(..., positions=True)
 
 
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
@@ -182,7 +182,7 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
     q_ids = pad_axis(ops.q_segment_ids, 1, plan.seq_q_padded)
     kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)
   if ops.dropout_seed is not None:
-    seed = dropout_lib.kernel_seed(ops.dropout_seed)
+    seed = dropout_lib.kernel_seed(ops.dropout_seed, positions=True)
   return KernelOperands(pad4(ops.q, plan.seq_q_padded, dp),
                         pad4(ops.k, plan.seq_k_padded, dp),
                         pad4(ops.v, plan.seq_k_padded, dvp),
@@ -278,12 +278,14 @@ def allowed(plan: Plan, i, j, positional: bool, q_ids=None, kv_ids=None, mask=No
 
 
 def dropout_keep(plan: Plan, seed_ref, b, h, i, j, bq=None, bk=None):
-  """Keep-mask ``[bq, bk]``; the row key is hashed once per row. ``b``/``h`` are
-  the program's local indices; ``seed_ref`` adds the shard's offsets."""
+  """Keep-mask ``[bq, bk]``; the row key is hashed once per row. ``b``/``h``
+  and the tile's rows and keys are the program's local indices; ``seed_ref``
+  adds the offsets of the shard (batch, head) and of the block of a larger call
+  (row, key: a hop of ring attention)."""
   bq, bk = bq or plan.block_q, bk or plan.block_kv
-  rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
-  cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
-  seed, b_off, h_off = (seed_ref[pl.ds(n, 1)] for n in range(3))
+  seed, b_off, h_off, i_off, j_off = (seed_ref[pl.ds(n, 1)] for n in range(5))
+  rows = i * bq + jnp.arange(bq, dtype=jnp.int32) + i_off
+  cols = j * bk + jnp.arange(bk, dtype=jnp.int32) + j_off
   key = dropout_lib.row_key(seed, b + b_off, h + h_off, rows)
   return dropout_lib.keep_from_row_key(key[:, None], cols[None, :],
                                        plan.spec.dropout_rate)

@@ -35,7 +35,7 @@ class KernelOperands(NamedTuple):
   mask: Any  # same, int8 (bool refs do not lower on TPU)
   q_ids: Any  # [B, Sqp, 1] int32: rows on sublanes
   kv_ids: Any  # [B, 1, Skp] int32: keys on lanes
-  seed: Any  # [4] int32 (dropout_lib.kernel_seed; scalar prefetch, SMEM)
+  seed: Any  # [8] int32 (dropout_lib.kernel_seed; scalar prefetch, SMEM)
 
 
 def prepare(ops: Operands, plan: Plan) -> KernelOperands:
@@ -47,7 +47,7 @@ def prepare(ops: Operands, plan: Plan) -> KernelOperands:
     kv_ids = pad_axis(ops.kv_segment_ids, 1, plan.seq_k_padded)[:, None, :]
   seed = None
   if ops.dropout_seed is not None:
-    seed = dropout_lib.kernel_seed(ops.dropout_seed)
+    seed = dropout_lib.kernel_seed(ops.dropout_seed, positions=True)
   return KernelOperands(
       q=head_major(ops.q, plan.seq_q_padded),
       k=head_major(ops.k, plan.seq_k_padded),

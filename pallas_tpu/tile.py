@@ -72,12 +72,14 @@ def allowed(plan: Plan, i, j, q_ids=None, kv_ids=None, mask=None):
 
 def dropout_keep(plan: Plan, seed_ref, b, h, i, j):
   """Keep-mask ``[bq, bk]`` of the common hash at global coordinates: ``b``/``h``
-  are local, ``seed_ref`` (SMEM, ``dropout_lib.kernel_seed``) adds the shard's
-  offsets."""
+  and the tile's positions are local, ``seed_ref`` (SMEM,
+  ``dropout_lib.kernel_seed``) adds the offsets of the shard (batch, head) and of
+  the block of a larger call (row, key: a hop of ring attention)."""
   rows, cols = positions(plan, i, j)
   key = dropout_lib.row_key(seed_ref[0], b + seed_ref[1], h + seed_ref[2],
-                            rows[:, :1])
-  return dropout_lib.keep_from_row_key(key, cols, plan.spec.dropout_rate)
+                            rows[:, :1] + seed_ref[3])
+  return dropout_lib.keep_from_row_key(key, cols + seed_ref[4],
+                                       plan.spec.dropout_rate)
 
 
 def segments_meet(seg_refs, plan: Plan, b, i, j):

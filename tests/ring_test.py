@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flashjax
+from flashjax.common import reference
 from flashjax.common.mask import Band, band_allowed
 
 PRELUDE = textwrap.dedent("""
@@ -150,6 +151,45 @@ FOUR = PRELUDE + textwrap.dedent("""
     assert grads[0].sharding.spec[:2] == ("data", "seq"), grads[0].sharding
     print("ok automatic", flush=True)
 
+    # Auto mesh axes (a Mesh built by hand): the split is decided after tracing,
+    # and the kernel platform's partitioned call (common/partition.py) runs the
+    # ring on the shards it is given; zigzag for causal, with dropout.
+    mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+
+    def auto(pspec, sq=S, **kw):
+        sh = NamedSharding(mesh3, P(*pspec))
+        q, k, v = rand(B, sq, H, 16), rand(B, S, 2, 16), rand(B, S, 2, 16)
+        do, dlse = rand(B, sq, H, 16), rand(B, H, sq)
+        diff = {{n: arrays[kw.pop(n)] for n in ("sinks", "row_bias") if n in kw}}
+        extra = dict(platform="pallas-triton", interpret=True, backend="gpu")
+        total = lambda out, lse: (jnp.sum(out * do) + jnp.sum(lse * dlse), (out, lse))
+        call = lambda f, q, k, v, diff, **x: total(*f(
+            q, k, v, return_lse=True, bias=diff.get("row_bias"),
+            sinks=diff.get("sinks"), **kw, **x))
+        step = jax.jit(jax.value_and_grad(
+            lambda *a: call(flashjax.flash_attention, *a, **extra),
+            argnums=(0, 1, 2, 3), has_aux=True))
+        put = lambda x: jax.device_put(x, sh)
+        compiled = step.lower(put(q), put(k), put(v), diff).compile()
+        (_, (out, lse)), grads = compiled(put(q), put(k), put(v), diff)
+        (_, (rout, rlse)), rgrads = jax.value_and_grad(
+            lambda *a: call(reference.attention, *a), argnums=(0, 1, 2, 3),
+            has_aux=True)(q, k, v, diff)
+        np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
+            np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+        assert grads[0].sharding.spec[:2] == pspec[:2], grads[0].sharding
+        print("ok auto", pspec, kw, list(diff), flush=True)
+        return compiled.as_text()
+
+    hlo = auto(("data", "seq"), causal=True, dropout_rate=0.2, dropout_seed=4,
+               sinks="sinks")
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+    # Sq != Sk, the band off the diagonal, a bias row for all queries (its
+    # gradient summed over the ring), heads split on the other axis.
+    auto((None, "seq", "data"), sq=32, sliding_window=(20, 3), row_bias="row_bias")
+
     # Per-device memory of fwd+bwd grows linearly in the local length (fixed
     # block sizes, so no kernel tile grows with it).
     from flashjax.xla_cpu import XlaConfig
@@ -227,6 +267,81 @@ def test_zigzag_order_and_restore():
     flashjax.zigzag_order(x, 3)
 
 
+@pytest.mark.parametrize("platform,backend", [("pallas-triton", "gpu"),
+                                              ("pallas", "tpu"), ("triton", "gpu")])
+def test_kernel_dropout_takes_hop_offsets(platform, backend):
+  """On one device the zigzag layout's second chunk starts at row and key S/2:
+  the kernels (Pallas in interpret mode) must hash those global positions, as
+  the reference does on the whole sequence. (4 devices: the FOUR script.)"""
+  interpret = platform != "triton"
+  if not interpret and jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU (runs on the lent GPU machine)")
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, do = (jax.random.normal(x, (1, 16, 2, 16)) for x in ks[:2])
+  k, v = (jax.random.normal(x, (1, 16, 1, 16)) for x in ks[2:])
+  kw = dict(dropout_rate=0.3, dropout_seed=11)
+
+  def ring(q, k, v):
+    return _one_device(lambda q, k, v: flashjax.ring_attention(
+        q, k, v, axis_name="seq", layout="zigzag", platform=platform,
+        backend=backend, interpret=interpret, **kw), q, k, v)
+
+  def check(f):
+    return jax.value_and_grad(lambda *a: jnp.sum(f(*a) * do), argnums=(0, 1, 2))
+
+  val, grads = jax.jit(check(ring))(q, k, v)
+  rval, rgrads = check(lambda *a: reference.attention(*a, **kw))(q, k, v)
+  np.testing.assert_allclose(val, rval, rtol=1e-4)
+  for g, r in zip(grads, rgrads):
+    np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+  assert float(jnp.std(rgrads[0])) > 0.05
+
+
+def _auto_mesh_ring(platform, rows_per_device=256, **extra):
+  """bf16 causal attention on sequences split over every device by an Auto mesh
+  axis, under jit: the partitioned call runs the ring (collective-permutes, no
+  all-gather); outputs and gradients match the fp32 reference on the same inputs.
+  Dropout where the platform has it (not Mosaic GPU)."""
+  from jax.sharding import NamedSharding
+  from flashjax.common import tolerances
+  n = jax.device_count()
+  mesh = Mesh(np.array(jax.devices()), ("seq",))
+  sh = NamedSharding(mesh, P(None, "seq"))
+  ks = jax.random.split(jax.random.key(0), 4)
+  shape = lambda h: (2, rows_per_device * n, h, 64)
+  q, do = (jax.random.normal(x, shape(4), jnp.bfloat16) for x in ks[:2])
+  k, v = (jax.random.normal(x, shape(2), jnp.bfloat16) for x in ks[2:])
+  kw = dict(causal=True)
+  if platform != "pallas":
+    kw.update(dropout_rate=0.1, dropout_seed=7)
+
+  def loss(f, **more):
+    def run(q, k, v):
+      out = f(q, k, v, **kw, **more)
+      return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+    return jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True)
+
+  step = jax.jit(loss(flashjax.flash_attention, platform=platform, **extra))
+  args = [jax.device_put(x, sh) for x in (q, k, v)]
+  hlo = step.lower(*args).compile().as_text()
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+  (_, out), grads = step(*args)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  (_, ref), ref_grads = loss(reference.attention)(*f32)
+  tolerances.assert_close(np.asarray(out, np.float32), ref,
+                          tolerances.forward("bfloat16"), name="out")
+  for name, g, r in zip("qkv", grads, ref_grads):
+    tolerances.assert_close(np.asarray(g, np.float32), r,
+                            tolerances.grad("bfloat16"), name=f"d{name}")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs 2 or more GPUs (the lent multi-GPU machines)")
+@pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
+def test_auto_mesh_ring_on_gpus(platform):
+  _auto_mesh_ring(platform)
+
+
 def _one_device(fn, *args):
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "seq"),) * len(args),
@@ -243,8 +358,5 @@ def test_errors():
     _one_device(ring(layout="zigzag"), q[:, :5])
   with pytest.raises(ValueError, match="axis_name='nope'"):
     _one_device(lambda q: flashjax.ring_attention(q, q, q, axis_name="nope"), q)
-  with pytest.raises(NotImplementedError, match="cannot run dropout in ring"):
-    _one_device(ring(platform="pallas-triton", interpret=True, backend="gpu",
-                     dropout_rate=0.1, dropout_seed=1), q)
   with pytest.raises(ValueError, match="bias of shape"):
     _one_device(ring(bias=jnp.zeros((1, 2, 6, 5))), q)

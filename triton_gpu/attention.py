@@ -55,7 +55,7 @@ class _Inputs:
   kv_ids: jax.Array | None
   bias: jax.Array | None  # fp32, padded where not broadcast
   mask: jax.Array | None  # int8, same
-  seed: jax.Array | None  # int32 [4] (dropout_lib.kernel_seed)
+  seed: jax.Array | None  # int32 [8] (dropout_lib.kernel_seed, positions=True)
 
   def pointers(self):
     """The optional operands as the kernels take them: a dummy stands in for an
@@ -83,7 +83,7 @@ def _prepare(ops, spec, geo: Geometry) -> _Inputs:
   bias = None if ops.bias is None else pad_seq(ops.bias.astype(jnp.float32))
   mask = None if ops.mask is None else pad_seq(ops.mask.astype(jnp.int8))
   seed = None if ops.dropout_seed is None else dropout_lib.kernel_seed(
-      ops.dropout_seed)
+      ops.dropout_seed, positions=True)
   return _Inputs(q, k, v, q_ids, kv_ids, bias, mask, seed)
 
 

@@ -12,7 +12,8 @@ buffers and no atomics: runs are deterministic.
 Bias (fp32) and mask (int8) are read through strides that are 0 on broadcast dims,
 so a ``[1, H, 1, Sk]`` bias costs no copy. Dropout recomputes the common hash of
 common/dropout.py in uint32 arithmetic (bit-identical to the reference); the seed
-operand carries the shard's batch and head offsets (``dropout.kernel_seed``).
+operand carries the offsets of the shard's batch and heads and of a ring hop's
+rows and keys (``dropout.kernel_seed``).
 With a bias, the dq kernel also writes ``ds`` for dbias.
 """
 
@@ -38,19 +39,22 @@ def _fmix(x):
 
 @triton.jit
 def _row_keys(Seed, b, h, rows):
-  """uint32 key per query row at global (batch, head): local ids plus the offsets
-  in ``Seed[1:3]``."""
+  """uint32 key per query row at global (batch, head, row): local ids plus the
+  offsets in ``Seed[1:4]`` (``dropout.kernel_seed(..., positions=True)``)."""
   seed = tl.load(Seed).to(tl.uint32, bitcast=True)
   bg = (b + tl.load(Seed + 1)).to(tl.uint32)
   hg = (h + tl.load(Seed + 2)).to(tl.uint32)
+  rg = (rows + tl.load(Seed + 3)).to(tl.uint32)
   x = _fmix(seed ^ (bg * 0x9E3779B1))
   x = _fmix(x ^ (hg * 0x85EBCA77))
-  return _fmix(x ^ (rows.to(tl.uint32) * 0xC2B2AE3D))
+  return _fmix(x ^ (rg * 0xC2B2AE3D))
 
 
 @triton.jit
-def _keep(keys, cols, THRESH: tl.constexpr):
-  """Keep-mask of row keys and key positions (broadcast against each other)."""
+def _keep(Seed, keys, cols, THRESH: tl.constexpr):
+  """Keep-mask of row keys and local key positions (broadcast against each
+  other); ``Seed[4]`` is the global offset of the keys."""
+  cols = cols + tl.load(Seed + 4)
   bits = _fmix(keys ^ (cols.to(tl.uint32) * 0x27D4EB2F))
   return (bits >> 8).to(tl.int32, bitcast=True) >= THRESH
 
@@ -124,7 +128,7 @@ def _qk(q, K, b, hk, j, SK: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _fwd_step(qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
-              keys, MASKED: tl.constexpr, SK: tl.constexpr, HKV: tl.constexpr,
+              keys, Seed, MASKED: tl.constexpr, SK: tl.constexpr, HKV: tl.constexpr,
               DV: tl.constexpr, BN: tl.constexpr, SEQ_K: tl.constexpr,
               SCALE: tl.constexpr, CAP: tl.constexpr, HAS_CAP: tl.constexpr,
               HAS_SEG: tl.constexpr, HAS_LEFT: tl.constexpr, LEFT: tl.constexpr,
@@ -160,7 +164,7 @@ def _fwd_step(qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_i
   alpha = tl.exp2((m - m_safe) * MULT)
   l = l * alpha + tl.sum(p, 1)
   if HAS_DROP:
-    p = tl.where(_keep(keys[:, None], offs_n[None, :], THRESH), p, 0.0)
+    p = tl.where(_keep(Seed, keys[:, None], offs_n[None, :], THRESH), p, 0.0)
   v = tl.load(V + ((b * SK + offs_n[:, None]) * HKV + hk) * DV + tl.arange(0, DV)[None, :])
   acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
   return m_new, l, acc
@@ -213,13 +217,13 @@ def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
           qk_next = _qk(q, K, b, hk, j + 1, SK, HKV, D, BN, PRECISION)
           m, l, acc = _fwd_step(
               qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
-              keys, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+              keys, Seed, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
               HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
               MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
           qk = qk_next
         m, l, acc = _fwd_step(
             qk, hi - 1, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
-            keys, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+            keys, Seed, False, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
             HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
             MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
     else:
@@ -227,7 +231,7 @@ def fwd_kernel(Q, K, V, QIds, KvIds, Bias, Mask, Seed, Table, O, Lse,
         qk = _qk(q, K, b, hk, j, SK, HKV, D, BN, PRECISION)
         m, l, acc = _fwd_step(
             qk, j, m, l, acc, V, KvIds, bias_ptr, mask_ptr, b, hk, offs_m, q_ids,
-            keys, phase != 1, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
+            keys, Seed, phase != 1, SK, HKV, DV, BN, SEQ_K, SCALE, CAP, HAS_CAP, HAS_SEG,
             HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET, HAS_BIAS, BSQ, BSK, HAS_MASK,
             MSQ, MSK, HAS_DROP, THRESH, PRECISION, MULT)
   has = l > 0.0
@@ -316,8 +320,8 @@ def dq_kernel(Q, K, V, DO, Lse, Delta, QIds, KvIds, Bias, Mask, Seed, Table, DQ,
                     RIGHT, OFFSET)
       dp = tl.dot(do, vt, input_precision=PRECISION)
       if HAS_DROP:
-        dp = tl.where(_keep(keys[:, None], offs_n[None, :], THRESH), dp * DROP_SCALE,
-                      0.0)
+        keep = _keep(Seed, keys[:, None], offs_n[None, :], THRESH)
+        dp = tl.where(keep, dp * DROP_SCALE, 0.0)
       _, ds = _p_ds(qk, bias, lse2[:, None], dp, delta[:, None], ok, SCALE, CAP,
                     HAS_CAP, HAS_BIAS, (phase != 1) or HAS_SEG or HAS_MASK)
       if HAS_BIAS:
@@ -384,7 +388,8 @@ def dkv_kernel(Q, K, V, DO, Lse, Delta, QIds, KvIds, Bias, Mask, Seed, Table, DK
                       HAS_LEFT, LEFT, HAS_RIGHT, RIGHT, OFFSET)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if HAS_DROP:
-          keep = _keep(_row_keys(Seed, b, h, offs_m)[None, :], offs_n[:, None], THRESH)
+          keep = _keep(Seed, _row_keys(Seed, b, h, offs_m)[None, :], offs_n[:, None],
+                       THRESH)
           dpt = tl.where(keep, dpt * DROP_SCALE, 0.0)
         pt, dst = _p_ds(qkt, bias, lse2[None, :], dpt, delta[None, :], ok, SCALE, CAP,
                         HAS_CAP, HAS_BIAS, (phase != 1) or HAS_SEG or HAS_MASK)

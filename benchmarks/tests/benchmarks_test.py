@@ -157,10 +157,11 @@ def test_decode_shapes_get_their_key_length_and_bandwidth():
 
 
 def test_ring_mode_smoke(capsys):
-  # One CPU device here: the three modes run, and the table names them.
+  # One CPU device here: the four modes run, and the table names them.
   assert cli.main(["--ring", "64", "--iters", "1", "--repeats", "1"]) == 0
   text = capsys.readouterr().out
-  for mode in ("ring (contiguous)", "ring (zigzag)", "all-gather", "one device"):
+  for mode in ("ring (contiguous)", "ring (zigzag)", "partitioned", "all-gather",
+               "one device"):
     line = next(x for x in text.splitlines() if x.startswith(f"| {mode} | 64 |"))
     assert float(line.split("|")[-2]) < 1e-4, line  # max diff from one device
 
