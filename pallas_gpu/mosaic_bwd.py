@@ -32,8 +32,6 @@ log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -41,11 +39,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..common import compat
+from ..common.blocking import LOG2E
 from ..common.mask import band_allowed
 from . import mosaic_pipeline
 from .mosaic_blocks import Geometry, cta_block_ranges, cta_q_ranges
-
-LOG2E = math.log2(math.e)
 
 
 def _probs(scores, lse2, g: Geometry):
