@@ -67,7 +67,7 @@ def _traced(fn, starts):
   return np.asarray(out)[:len(starts)]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(problems(), st.integers(0, 2**31 - 1))
 def test_block_ranges_and_tile_predicate_match_the_dense_band(problem, seed):
   band, bq, bk, extra, strict_q, strict_kv = problem
