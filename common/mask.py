@@ -8,9 +8,10 @@ A query at row ``i`` may attend to key ``j`` iff *all* parts of the mask allow i
 * segment ids: ``q_ids[b, i] == kv_ids[b, j]``;
 * a dense bool mask broadcastable to ``[B, Hq, Sq, Sk]`` (True = attend).
 
-Kernels evaluate :func:`band_allowed` on their block's index vectors and use
-:meth:`Band.kv_bounds` to skip whole blocks, so the reference and every kernel share
-one predicate.
+Kernels evaluate :func:`tile_allowed` on their block's positions
+(``blocking.positions``) and skip whole blocks by the ranges of
+``blocking.kv_block_range``, so the reference and every kernel share one
+predicate.
 """
 
 from __future__ import annotations
@@ -113,6 +114,38 @@ def band_allowed(i, j, band: Band):
   if band.right is not None:
     r = d <= band.right
     ok = r if ok is None else ok & r
+  return ok
+
+
+def tile_allowed(band: Band, rows=None, cols=None, *, padded_keys: bool = False,
+                 q_ids=None, kv_ids=None, mask=None):
+  """What the (row, key) pairs of one tile may attend to: the band, the key
+  tail, segment ids and a dense mask, each left out when not given.
+
+  Args:
+    band: the call's band.
+    rows, cols: broadcastable global row and key indices of the tile
+      (``blocking.positions``), or None to leave out the band and the key tail
+      (a block that ``blocking.kv_block_range`` says is full).
+    padded_keys: keys at or past ``band.seq_k`` are padding: mask them.
+    q_ids, kv_ids: segment ids, broadcastable to the tile against each other.
+    mask: bool, or ints with nonzero = attend, broadcastable to the tile.
+
+  Returns:
+    A bool array (NumPy for NumPy indices and no other operand), or None when
+    everything is allowed.
+  """
+  ok = None
+  both = lambda a, b: b if a is None else a & b
+  if rows is not None:
+    if not band.is_full:
+      ok = band_allowed(rows, cols, band)
+    if padded_keys:
+      ok = both(ok, cols < band.seq_k)
+  if q_ids is not None:
+    ok = both(ok, q_ids == kv_ids)
+  if mask is not None:
+    ok = both(ok, mask if mask.dtype == jnp.bool_ else mask != 0)
   return ok
 
 

@@ -11,9 +11,11 @@ documents: the per-program work follows the documents' own blocks.
 All functions take traced ids (the ranges are data, computed once per call):
 
 * :func:`block_id_ranges`: per-block ``(min, max)`` of the ids, O(S);
+  :func:`id_ranges` of both sides at once;
 * :func:`blocks_meet`: the per-block predicate on those ranges;
 * :func:`visible_kv_blocks` / :func:`visible_q_blocks`: per q block (kv block),
-  the first and one-past-last block of the band's range whose ids can meet it;
+  the first and one-past-last block of the band's range whose ids can meet it
+  (:func:`visible_blocks` picks one by direction);
 * :func:`single_id_blocks`: the run of blocks where the ids mask nothing;
 * :func:`narrow`: a platform's own nondecreasing loop boundaries (masked edge,
   interior, masked edge runs) clipped to such a range.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .blocking import BlockGrid
+from .blocking import kv_block_table, q_block_table
 from .mask import Band
 
 
@@ -43,6 +45,14 @@ def block_id_ranges(ids, block: int, num_blocks: int | None = None):
   x = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, n * block - s)), mode="edge")
   x = x.reshape(b, n, block)
   return x.min(-1), x.max(-1)
+
+
+def id_ranges(q_ids, kv_ids, block_q: int, block_kv: int,
+              num_q_blocks: int | None = None, num_kv_blocks: int | None = None):
+  """:func:`block_id_ranges` of ``q_ids [B, Sq]`` and ``kv_ids [B, Sk]`` (the real
+  lengths): ``((qmin, qmax), (kmin, kmax))``, the ranges the other functions take."""
+  return (block_id_ranges(q_ids, block_q, num_q_blocks),
+          block_id_ranges(kv_ids, block_kv, num_kv_blocks))
 
 
 def blocks_meet(q_ranges, kv_ranges, i, j):
@@ -70,18 +80,18 @@ def _first_last(visible):
   return jnp.where(some, first, 0), jnp.where(some, stop, 0)
 
 
-def _in_range(lo, hi, n_outer, n_inner):
-  """``[n_outer, n_inner]`` bool: inner block in ``[lo, hi)`` of its outer block;
-  outer blocks past the given ranges (padding) reach nothing."""
-  lo = np.zeros(n_outer, np.int32) if lo is None else _fit(lo, n_outer)
-  hi = np.full(n_outer, n_inner, np.int32) if hi is None else _fit(hi, n_outer)
-  inner = np.arange(n_inner)[None, :]
-  return (inner >= lo[:, None]) & (inner < hi[:, None])
-
-
-def _fit(x, n):
-  x = np.asarray(x, np.int32)[:n]
-  return np.pad(x, (0, n - x.shape[0]))
+def _reach(band: Band | None, block_q: int, block_kv: int, nq: int, nk: int,
+           over_kv: bool) -> np.ndarray:
+  """``[n_outer, n_inner]`` bool: the inner blocks (kv blocks ``over_kv``, else q
+  blocks) each outer block reaches through the band (all without one); outer
+  blocks past the real length (padding) reach nothing."""
+  n_out, n_in = (nq, nk) if over_kv else (nk, nq)
+  if band is None:
+    return np.ones((n_out, n_in), bool)
+  table = (kv_block_table(band, block_q, block_kv, nq) if over_kv
+           else q_block_table(band, block_kv, block_q, nk))
+  inner = np.arange(n_in)[None, :]
+  return (inner >= table[:, :1]) & (inner < table[:, 3:])
 
 
 def visible_kv_blocks(q_ranges, kv_ranges, band: Band | None = None,
@@ -94,10 +104,7 @@ def visible_kv_blocks(q_ranges, kv_ranges, band: Band | None = None,
   inside it whose ids cannot meet are left to :func:`blocks_meet` (with sorted
   ids there are none)."""
   nq, nk = q_ranges[0].shape[1], kv_ranges[0].shape[1]
-  lo = hi = None
-  if band is not None:
-    lo, hi = BlockGrid(band, block_q, block_kv).kv_block_ranges()
-  reach = _in_range(lo, hi, nq, nk)
+  reach = _reach(band, block_q, block_kv, nq, nk, over_kv=True)
   return _first_last(_meet_matrix(q_ranges, kv_ranges) & reach[None])
 
 
@@ -106,10 +113,7 @@ def visible_q_blocks(q_ranges, kv_ranges, band: Band | None = None,
   """The transpose, for the dK/dV pass: per kv block, the q blocks ``[lo, hi)``
   that reach it and whose ids can meet its own; ``[B, nk]`` int32 each."""
   nq, nk = q_ranges[0].shape[1], kv_ranges[0].shape[1]
-  lo = hi = None
-  if band is not None:
-    lo, hi = BlockGrid(band, block_q, block_kv).q_block_ranges()
-  reach = _in_range(lo, hi, nk, nq)
+  reach = _reach(band, block_q, block_kv, nq, nk, over_kv=False)
   meet = jnp.swapaxes(_meet_matrix(q_ranges, kv_ranges), 1, 2)
   return _first_last(meet & reach[None])
 
@@ -130,6 +134,14 @@ def single_id_blocks(q_ranges, kv_ranges, over_kv: bool = True):
   count = same.sum(-1, dtype=jnp.int32)
   unbroken = count == hi - lo
   return jnp.where(unbroken, lo, 0), jnp.where(unbroken, hi, 0)
+
+
+def visible_blocks(q_ranges, kv_ranges, band: Band | None, block_q: int,
+                   block_kv: int, *, over_kv: bool):
+  """:func:`visible_kv_blocks` (``over_kv``: per q block) or
+  :func:`visible_q_blocks` (per kv block)."""
+  visible = visible_kv_blocks if over_kv else visible_q_blocks
+  return visible(q_ranges, kv_ranges, band, block_q, block_kv)
 
 
 def narrow(bounds, lo, hi):

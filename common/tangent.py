@@ -15,10 +15,10 @@ Rows that attend to nothing have lse ``-inf``: :func:`epilogue.safe_lse` turns i
 into ``+inf`` so ``p`` is exactly 0 there, and both tangents are 0.
 
 The loop runs over query blocks (``lax.map``) and, inside, over the key blocks
-that the band lets them reach (``Band.kv_bounds``; a ``fori_loop``), so memory is
-``O(block_q * block_kv)`` per batch and head on top of the inputs. Every platform
-uses this one tangent for ``jax.jvp``; segment ids and dense masks do not skip
-blocks (their entries contribute exact zeros).
+that the band lets them reach (``blocking.kv_block_table``; a ``fori_loop``), so
+memory is ``O(block_q * block_kv)`` per batch and head on top of the inputs. Every
+platform uses this one tangent for ``jax.jvp``; segment ids and dense masks do not
+skip blocks (their entries contribute exact zeros).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import blocking
+from .blocking import pad_axis
 from . import dropout as dropout_lib
 from . import epilogue
 from .mask import band_allowed
@@ -49,11 +51,7 @@ def default_block_q(spec: AttentionSpec, block_kv: int = BLOCK_KV) -> int:
 def kv_block_ranges(spec: AttentionSpec, block_q: int, block_kv: int) -> np.ndarray:
   """``int32 [num_q_blocks, 2]``: the half-open range of key blocks that each query
   block's rows can reach through the band (``lo == hi`` where none)."""
-  out = []
-  for q_lo in range(0, spec.seq_q, block_q):
-    lo, hi = spec.band.kv_bounds(q_lo, min(q_lo + block_q, spec.seq_q))
-    out.append((lo // block_kv, -(-hi // block_kv)) if lo < hi else (0, 0))
-  return np.asarray(out, np.int32)
+  return blocking.kv_block_table(spec.band, block_q, block_kv)[:, [0, 3]]
 
 
 def _rows(x, heads_kv: int):
@@ -68,15 +66,6 @@ def _grid5(x, heads_kv: int):
   if h == 1:
     return x.reshape(b, 1, 1, sq, sk)
   return x.reshape(b, heads_kv, h // heads_kv, sq, sk)
-
-
-def _pad(x, axis, size, value=0):
-  extra = size - x.shape[axis]
-  if extra <= 0:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad, constant_values=value)
 
 
 def _tile(x, i0, j0, bq, bk):
@@ -124,24 +113,24 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
   sqp, skp = nq * bq, nk * bk
 
   def rows(x):  # [B, Sq, Hq, D] -> [B, Hkv, G, Sqp, D]
-    return _pad(_rows(x.astype(cdt), hkv), 3, sqp)
+    return pad_axis(_rows(x.astype(cdt), hkv), 3, sqp)
 
   def keys(x):  # [B, Sk, Hkv, D] -> [B, Hkv, Skp, D]
-    return _pad(jnp.transpose(x.astype(cdt), (0, 2, 1, 3)), 2, skp)
+    return pad_axis(jnp.transpose(x.astype(cdt), (0, 2, 1, 3)), 2, skp)
 
   maybe = lambda f, x: None if x is None else f(x)
   q, dq = rows(ops.q), maybe(rows, tangents.q)
   k, v = keys(ops.k), keys(ops.v)
   dk, dv = maybe(keys, tangents.k), maybe(keys, tangents.v)
   lse_rows = epilogue.safe_lse(lse.astype(acc)).reshape(b, hkv, g, sq)
-  lse_rows = _pad(lse_rows, 3, sqp, jnp.inf)
+  lse_rows = pad_axis(lse_rows, 3, sqp, jnp.inf)
 
   def grid(x, dtype):
     x = _grid5(x.astype(dtype), hkv)
     if x.shape[-2] > 1:
-      x = _pad(x, 3, sqp)
+      x = pad_axis(x, 3, sqp)
     if x.shape[-1] > 1:
-      x = _pad(x, 4, skp)
+      x = pad_axis(x, 4, skp)
     return x
 
   bias = dbias = dense = None
@@ -152,7 +141,7 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
     dense = grid(ops.mask, jnp.bool_)
   seg = None
   if ops.q_segment_ids is not None:
-    seg = (_pad(ops.q_segment_ids, 1, sqp), _pad(ops.kv_segment_ids, 1, skp))
+    seg = (pad_axis(ops.q_segment_ids, 1, sqp), pad_axis(ops.kv_segment_ids, 1, skp))
   if spec.dropout_rate > 0:
     seed = dropout_lib.kernel_seed(ops.dropout_seed)
     seed, b_off, h_off = (jax.lax.bitcast_convert_type(seed[n], jnp.uint32)

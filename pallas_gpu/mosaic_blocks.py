@@ -2,7 +2,7 @@
 
 Every range function works on Python ints and traced int32 scalars alike, so the
 kernels compute their walks from the grid index and the tests check them on the
-host against the dense band.
+host; the band ranges themselves are common/blocking.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from ..common import blocking
 from ..common.mask import Band
 from . import triton_tail
 
@@ -86,10 +87,6 @@ def _i32(x):
   return jnp.asarray(x, jnp.int32)
 
 
-def _cdiv(a, b: int):
-  return lax.div(a + (b - 1), jnp.int32(b))
-
-
 def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
@@ -153,48 +150,17 @@ def unit_walk(g: Geometry, u, seg=None):
 
 def wg_block_ranges(g: Geometry, r0):
   """``(lo, a, b, hi)`` kv blocks for rows ``[r0, r0 + block_q)``: blocks
-  ``[lo, hi)`` are reached, ``[a, b)`` need no mask. Empty rows give ``lo = hi``."""
-  band, bk = g.band, g.block_kv
-  r0 = _i32(r0)
-  r_last = jnp.minimum(r0 + g.block_q, g.seq_q) - 1
-  lo_k = _i32(0) if band.left is None else jnp.maximum(r0 + band.offset - band.left, 0)
-  hi_k = _i32(g.seq_k) if band.right is None else _clamp(
-      r_last + band.offset + band.right + 1, 0, g.seq_k)
-  empty = (hi_k <= lo_k) | (r0 >= g.seq_q)
-  lo = lax.div(jnp.minimum(lo_k, g.seq_k), jnp.int32(bk))
-  hi = jnp.maximum(_cdiv(hi_k, bk), lo)
-  # Interior: every row sees the whole block and the block is inside Sk.
-  first_ok = lo if band.left is None else _cdiv(
-      jnp.maximum(r_last + band.offset - band.left, 0), bk)
-  end_ok = _i32(g.seq_k) if band.right is None else jnp.minimum(
-      r0 + band.offset + band.right + 1, g.seq_k)
-  a = _clamp(first_ok, lo, hi)
-  b = _clamp(lax.div(jnp.maximum(end_ok, 0), jnp.int32(bk)), a, hi)
-  return tuple(jnp.where(empty, _i32(0), x) for x in (lo, a, b, hi))
+  ``[lo, hi)`` are reached, ``[a, b)`` need no mask (``blocking.kv_block_range``).
+  Empty rows give ``lo = hi``."""
+  return blocking.kv_block_range(g.band, r0, g.block_q, g.block_kv)
 
 
 def wg_q_ranges(g: Geometry, k0):
   """``(lo, a, b, hi)`` q blocks for keys ``[k0, k0 + block_kv)`` (the dK/dV
-  kernel's transpose of :func:`wg_block_ranges`): blocks ``[lo, hi)`` reach the
-  keys, ``[a, b)`` need no band mask. Rows past Sq need no mask there (their lse
-  is +inf, so p = 0) and keys past Sk are padding whose dK/dV rows are cut off."""
-  band, bq = g.band, g.block_q
-  k0 = _i32(k0)
-  k_last = jnp.minimum(k0 + g.block_kv, g.seq_k) - 1
-  q_lo = _i32(0) if band.right is None else jnp.maximum(
-      k0 - band.offset - band.right, 0)
-  q_hi = _i32(g.seq_q) if band.left is None else _clamp(
-      k_last - band.offset + band.left + 1, 0, g.seq_q)
-  empty = (q_hi <= q_lo) | (k0 >= g.seq_k)
-  lo = lax.div(jnp.minimum(q_lo, g.seq_q), jnp.int32(bq))
-  hi = jnp.maximum(_cdiv(q_hi, bq), lo)
-  # Interior: every row of the block sees every (real) key of the block.
-  first_ok = lo if band.right is None else _cdiv(
-      jnp.maximum(k_last - band.offset - band.right, 0), bq)
-  a = _clamp(first_ok, lo, hi)
-  b = hi if band.left is None else _clamp(
-      lax.div(jnp.maximum(k0 - band.offset + band.left + 1, 0), jnp.int32(bq)), a, hi)
-  return tuple(jnp.where(empty, _i32(0), x) for x in (lo, a, b, hi))
+  kernel's transpose of :func:`wg_block_ranges`, ``blocking.q_block_range``):
+  blocks ``[lo, hi)`` reach the keys, ``[a, b)`` need no band mask. Keys past Sk
+  need no mask there: they are padding whose dK/dV rows are cut off."""
+  return blocking.q_block_range(g.band, k0, g.block_kv, g.block_q, strict_q=False)
 
 
 def segment_narrow(rg, seg):

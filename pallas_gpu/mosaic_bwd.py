@@ -37,8 +37,6 @@ rows (keys) come once, the streamed side's with each slot.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -46,11 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..common import compat
+from ..common.blocking import LOG2E
 from ..common.mask import band_allowed
 from . import mosaic_pipeline
 from .mosaic_blocks import Geometry, cta_block_ranges, cta_q_ranges
-
-LOG2E = math.log2(math.e)
 
 
 def _probs(scores, lse2, g: Geometry):

@@ -42,8 +42,6 @@ logits, so every step guards rows that are still all -inf.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -51,12 +49,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..common import compat
+from ..common.blocking import LOG2E
 from ..common.mask import band_allowed
 from . import mosaic_pipeline, triton_tail
 from .mosaic_blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                             unit_walk)
-
-LOG2E = math.log2(math.e)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..common.blocking import LOG2E
 from . import triton_plan as tp
 from .triton_fwd import in_specs, segment_specs, stages, tiles
 
@@ -49,7 +50,7 @@ def _dq_kernel(*refs, plan: tp.Plan, names):
   bq, bk = plan.block_q, plan.block_kv
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q, do = r["q"][...], r["do"][...]
-  lse2, delta = r["lse"][...] * tp.LOG2E, r["delta"][...]
+  lse2, delta = r["lse"][...] * LOG2E, r["delta"][...]
   q_ids = r["q_ids"][pl.ds(i * bq, bq)] if "q_ids" in r else None
 
   def body(j, dq, positional):
@@ -79,7 +80,7 @@ def _dkv_kernel(*refs, plan: tp.Plan, names):
     rows = pl.ds(i * bq, bq)
     q, do = r["q"][rows, :], r["do"][rows, :]
     q_ids = r["q_ids"][rows] if "q_ids" in r else None
-    pd, ds = _p_ds(plan, r, t, q, k, v, do, r["lse"][rows] * tp.LOG2E,
+    pd, ds = _p_ds(plan, r, t, q, k, v, do, r["lse"][rows] * LOG2E,
                    r["delta"][rows], q_ids, b, h, i, j, positional)
     dv = dv + tp.dot(pd.T.astype(do.dtype), do, plan)
     dk = dk + tp.dot(ds.T.astype(q.dtype), q, plan)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..common import epilogue, hardware
+from ..common.blocking import LN2, LOG2E
 from ..common import spec as spec_lib
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 # Rows of the packed q tile: the fp32 accumulator of 64 rows x 128 columns is 64
 # registers per thread over 4 warps.
 MAX_ROWS = 64

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..common.blocking import LN2, LOG2E
 from . import triton_plan as tp
 from . import triton_tail
 
@@ -105,7 +106,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
   # rides in the exp2 argument (one FMA per element instead of a multiply and a
   # subtract).
   raw = "bias" not in r and spec.logits_soft_cap is None
-  mult = spec.softmax_scale * tp.LOG2E if raw else 1.0
+  mult = spec.softmax_scale * LOG2E if raw else 1.0
 
   def body(j, carry, positional):
     acc, m, l = carry
@@ -149,7 +150,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
     out = out * (1.0 / (1.0 - spec.dropout_rate))
   r["o"][rows, :] = out.astype(r["o"].dtype)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  r["lse"][rows] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * tp.LN2,
+  r["lse"][rows] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * LN2,
                              -jnp.inf)
 
 

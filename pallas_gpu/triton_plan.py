@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -13,13 +12,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from ..common import dropout as dropout_lib
 from ..common import segments
-from ..common.blocking import pad_axis, pad_broadcastable
+from ..common import blocking
+from ..common.blocking import LOG2E, pad_axis, pad_broadcastable
 from ..common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
-from ..common.mask import band_allowed
+from ..common.mask import tile_allowed
 from ..common.spec import AttentionSpec, Operands
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,49 +99,15 @@ class Plan:
 
   def kv_ranges(self, i):
     """kv blocks ``lo <= lo_full <= hi_full <= hi`` of q block i: [lo, hi) are
-    reachable, [lo_full, hi_full) need no positional mask."""
-    band, bq, bk = self.spec.band, self.block_q, self.block_kv
-    sk, nk = self.spec.seq_k, self.num_kv_blocks
-    row0 = i * bq
-    row1 = jnp.minimum((i + 1) * bq, self.spec.seq_q) - 1
-    lo_key, hi_key = jnp.int32(0), jnp.int32(sk)
-    lo_full_key, hi_full_key = jnp.int32(0), jnp.int32((sk // bk) * bk)
-    if band.left is not None:
-      lo_key = jnp.maximum(lo_key, row0 + band.offset - band.left)
-      lo_full_key = jnp.maximum(lo_full_key, row1 + band.offset - band.left)
-    if band.right is not None:
-      hi_key = jnp.minimum(hi_key, row1 + band.offset + band.right + 1)
-      hi_full_key = jnp.minimum(hi_full_key, row0 + band.offset + band.right + 1)
-    empty = hi_key <= lo_key
-    lo = jnp.where(empty, 0, lo_key // bk)
-    hi = jnp.where(empty, 0, jnp.minimum(nk, (hi_key + bk - 1) // bk))
-    lo_full = jnp.clip((lo_full_key + bk - 1) // bk, lo, hi)
-    hi_full = jnp.clip(hi_full_key // bk, lo_full, hi)
-    return lo, lo_full, hi_full, hi
+    reachable, [lo_full, hi_full) need no positional mask (common/blocking.py)."""
+    return blocking.kv_block_range(self.spec.band, i * self.block_q, self.block_q,
+                                   self.block_kv)
 
   def q_ranges(self, j):
-    """The transpose: q blocks reaching kv block j, and those needing no mask."""
-    band, bq, bk = self.spec.band, self.block_q, self.block_kv
-    sq, nq = self.spec.seq_q, self.num_q_blocks
-    col0 = j * bk
-    col1 = jnp.minimum((j + 1) * bk, self.spec.seq_k) - 1
-    tail = (j + 1) * bk > self.spec.seq_k  # padded keys: mask every block
-    lo_row, hi_row = jnp.int32(0), jnp.int32(sq)
-    lo_full_row, hi_full_row = jnp.int32(0), jnp.int32((sq // bq) * bq)
-    if band.right is not None:
-      lo_row = jnp.maximum(lo_row, col0 - band.offset - band.right)
-      lo_full_row = jnp.maximum(lo_full_row, col1 - band.offset - band.right)
-    if band.left is not None:
-      hi_row = jnp.minimum(hi_row, col1 - band.offset + band.left + 1)
-      hi_full_row = jnp.minimum(hi_full_row, col0 - band.offset + band.left + 1)
-    empty = hi_row <= lo_row
-    lo = jnp.where(empty, 0, lo_row // bq)
-    hi = jnp.where(empty, 0, jnp.minimum(nq, (hi_row + bq - 1) // bq))
-    lo_full = jnp.clip((lo_full_row + bq - 1) // bq, lo, hi)
-    hi_full = jnp.clip(hi_full_row // bq, lo_full, hi)
-    lo_full = jnp.where(tail, hi, lo_full)
-    hi_full = jnp.where(tail, hi, hi_full)
-    return lo, lo_full, hi_full, hi
+    """The transpose: q blocks reaching kv block j, and those needing no mask; a kv
+    block holding padded keys masks every q block."""
+    return blocking.q_block_range(self.spec.band, j * self.block_kv, self.block_kv,
+                                  self.block_q, strict_kv=True)
 
 
 def make_plans(spec: AttentionSpec, config: TritonConfig,
@@ -195,11 +159,10 @@ def visible_blocks(ops: Operands, plan: Plan, over_kv: bool = True):
   n padded to a power of two (Triton's block shapes), or None without ids."""
   if ops.q_segment_ids is None:
     return None
-  q = segments.block_id_ranges(ops.q_segment_ids, plan.block_q, plan.num_q_blocks)
-  kv = segments.block_id_ranges(ops.kv_segment_ids, plan.block_kv,
-                                plan.num_kv_blocks)
-  visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
-  lo, hi = visible(q, kv, plan.spec.band, plan.block_q, plan.block_kv)
+  q, kv = segments.id_ranges(ops.q_segment_ids, ops.kv_segment_ids, plan.block_q,
+                             plan.block_kv, plan.num_q_blocks, plan.num_kv_blocks)
+  lo, hi = segments.visible_blocks(q, kv, plan.spec.band, plan.block_q,
+                                   plan.block_kv, over_kv=over_kv)
   n = 1 << (lo.shape[1] - 1).bit_length()
   return pad_axis(lo, 1, n), pad_axis(hi, 1, n)
 
@@ -251,41 +214,25 @@ def exp2(x, plan: Plan):
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def positions(plan: Plan, i, j, bq=None, bk=None):
-  bq, bk = bq or plan.block_q, bk or plan.block_kv
-  rows = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  cols = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  return rows, cols
-
-
 def allowed(plan: Plan, i, j, positional: bool, q_ids=None, kv_ids=None, mask=None):
-  spec = plan.spec
-  ok = None
+  """``mask.tile_allowed`` of block (i, j) with its rows' and keys' ids (1-D)."""
+  rows = cols = None
   if positional:
-    rows, cols = positions(plan, i, j)
-    if not spec.band.is_full:
-      ok = band_allowed(rows, cols, spec.band)
-    if plan.seq_k_padded != spec.seq_k:
-      tail = cols < spec.seq_k
-      ok = tail if ok is None else ok & tail
+    rows, cols = blocking.positions(i, j, plan.block_q, plan.block_kv)
   if q_ids is not None:
-    seg = q_ids[:, None] == kv_ids[None, :]
-    ok = seg if ok is None else ok & seg
-  if mask is not None:
-    m = mask != 0
-    ok = m if ok is None else ok & m
-  return ok
+    q_ids, kv_ids = q_ids[:, None], kv_ids[None, :]
+  return tile_allowed(plan.spec.band, rows, cols,
+                      padded_keys=plan.seq_k_padded != plan.spec.seq_k,
+                      q_ids=q_ids, kv_ids=kv_ids, mask=mask)
 
 
 def dropout_keep(plan: Plan, seed_ref, b, h, i, j, bq=None, bk=None):
-  """Keep-mask ``[bq, bk]``; the row key is hashed once per row. ``b``/``h``
-  and the tile's rows and keys are the program's local indices; ``seed_ref``
-  adds the offsets of the shard (batch, head) and of the block of a larger call
-  (row, key: a hop of ring attention)."""
+  """Keep-mask ``[bq, bk]`` (``dropout.keep``); the row key is hashed once per
+  row. ``b``/``h`` and the tile's rows and keys are the program's local indices;
+  ``seed_ref`` adds the offsets of the shard (batch, head) and of the block of a
+  larger call (row, key: a hop of ring attention)."""
   bq, bk = bq or plan.block_q, bk or plan.block_kv
+  rows, cols = blocking.positions(i, j, bq, bk, dense=False)
   seed, b_off, h_off, i_off, j_off = (seed_ref[pl.ds(n, 1)] for n in range(5))
-  rows = i * bq + jnp.arange(bq, dtype=jnp.int32) + i_off
-  cols = j * bk + jnp.arange(bk, dtype=jnp.int32) + j_off
-  key = dropout_lib.row_key(seed, b + b_off, h + h_off, rows)
-  return dropout_lib.keep_from_row_key(key[:, None], cols[None, :],
-                                       plan.spec.dropout_rate)
+  return dropout_lib.keep(seed, b + b_off, h + h_off, rows + i_off, cols + j_off,
+                          plan.spec.dropout_rate)

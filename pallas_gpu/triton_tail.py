@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-LN2 = math.log(2.0)
+from ..common.blocking import LN2
+
 # Per part, in program-times: loading q, filling the pipeline, writing the fp32
 # partials.
 PART_OVERHEAD = 0.03

@@ -64,10 +64,9 @@ def segment_ranges(x: KernelOperands, plan: Plan):
   if x.q_ids is None:
     return None
   spec = plan.spec
-  q = segments.block_id_ranges(x.q_ids[:, :spec.seq_q, 0], plan.block_q,
-                               plan.num_q_blocks)
-  k = segments.block_id_ranges(x.kv_ids[:, 0, :spec.seq_k], plan.block_kv,
-                               plan.num_kv_blocks)
+  q, k = segments.id_ranges(x.q_ids[:, :spec.seq_q, 0], x.kv_ids[:, 0, :spec.seq_k],
+                            plan.block_q, plan.block_kv, plan.num_q_blocks,
+                            plan.num_kv_blocks)
   return tuple(a.reshape(-1) for a in (*q, *k))
 
 

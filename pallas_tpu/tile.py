@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..common import blocking
 from ..common import dropout as dropout_lib
-from ..common.mask import band_allowed
+from ..common.mask import tile_allowed
 from .plan import Plan
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
@@ -43,43 +44,26 @@ def scores(plan: Plan, q, k, bias):
   return cap * t, t
 
 
-def positions(plan: Plan, i, j):
-  rows = i * plan.block_q + jax.lax.broadcasted_iota(
-      jnp.int32, (plan.block_q, plan.block_kv), 0)
-  cols = j * plan.block_kv + jax.lax.broadcasted_iota(
-      jnp.int32, (plan.block_q, plan.block_kv), 1)
-  return rows, cols
-
-
 def allowed(plan: Plan, i, j, q_ids=None, kv_ids=None, mask=None):
-  """Bool ``[bq, bk]`` of what the tile may attend to, or None for everything."""
+  """Bool ``[bq, bk]`` of what the tile may attend to (``mask.tile_allowed``),
+  or None for everything; ids ``[bq, 1]`` and ``[1, bk]``."""
   spec = plan.spec
-  rows, cols = positions(plan, i, j)
-  ok = None
-  if not spec.band.is_full:
-    ok = band_allowed(rows, cols, spec.band)
-  if plan.seq_k_padded != spec.seq_k:
-    tail = cols < spec.seq_k
-    ok = tail if ok is None else ok & tail
-  if q_ids is not None:
-    seg = q_ids == kv_ids  # [bq, 1] == [1, bk]
-    ok = seg if ok is None else ok & seg
-  if mask is not None:
-    m = mask != 0
-    ok = m if ok is None else ok & m
-  return ok
+  rows, cols = blocking.positions(i, j, plan.block_q, plan.block_kv)
+  return tile_allowed(spec.band, rows, cols,
+                      padded_keys=plan.seq_k_padded != spec.seq_k,
+                      q_ids=q_ids, kv_ids=kv_ids, mask=mask)
 
 
 def dropout_keep(plan: Plan, seed_ref, b, h, i, j):
-  """Keep-mask ``[bq, bk]`` of the common hash at global coordinates: ``b``/``h``
+  """Keep-mask ``[bq, bk]`` of ``dropout.keep`` at global coordinates: ``b``/``h``
   and the tile's positions are local, ``seed_ref`` (SMEM,
   ``dropout_lib.kernel_seed``) adds the offsets of the shard (batch, head) and of
-  the block of a larger call (row, key: a hop of ring attention)."""
-  rows, cols = positions(plan, i, j)
-  key = dropout_lib.row_key(seed_ref[0], b + seed_ref[1], h + seed_ref[2],
-                            rows[:, :1] + seed_ref[3])
-  return dropout_lib.keep_from_row_key(key, cols + seed_ref[4],
-                                       plan.spec.dropout_rate)
+  the block of a larger call (row, key: a hop of ring attention); the row key is
+  hashed once per row."""
+  rows, cols = blocking.positions(i, j, plan.block_q, plan.block_kv)
+  return dropout_lib.keep(seed_ref[0], b + seed_ref[1], h + seed_ref[2],
+                          rows[:, :1] + seed_ref[3], cols + seed_ref[4],
+                          plan.spec.dropout_rate)
 
 
 def segments_meet(seg_refs, plan: Plan, b, i, j):

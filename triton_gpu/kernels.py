@@ -22,8 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# The kernels write log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453
+# (common.blocking.LOG2E, LN2) as literals: a @triton.jit body reads no module
+# global that is not a tl.constexpr.
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
-from ..common import env, hardware, platform, segments
+from ..common import blocking, env, hardware, platform, segments
 from ..common.hardware import GpuTarget
 from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
                              fit_to_shared_memory, streamed_budget, tile_size)
@@ -75,50 +75,14 @@ class Geometry:
 
   def kv_table(self, bq: int, bk: int) -> np.ndarray:
     """``[nq, 4]`` int32: per q block, kv blocks ``lo <= a <= b <= hi``: [lo, hi)
-    reachable, [a, b) needing no positional mask."""
-    band, sk = self.spec.band, self.spec.seq_k
-    nq, nk = self.seq_q_padded // bq, self.seq_k_padded // bk
-    out = np.zeros((nq, 4), np.int32)
-    for i in range(nq):
-      r0 = i * bq
-      r1 = min(r0 + bq, self.spec.seq_q)
-      if r0 >= self.spec.seq_q:
-        continue
-      lo_k, hi_k = band.kv_bounds(r0, r1)
-      if hi_k <= lo_k:
-        continue
-      lo, hi = lo_k // bk, min(nk, -(-hi_k // bk))
-      full_lo = band.kv_bounds(r1 - 1, r1)[0]  # last row's first key
-      full_hi = min(band.kv_bounds(r0, r0 + 1)[1], (sk // bk) * bk)  # first row's end
-      a = min(max(-(-full_lo // bk), lo), hi)
-      b = min(max(full_hi // bk, a), hi)
-      out[i] = (lo, a, b, hi)
-    return out
+    reachable, [a, b) needing no positional mask (common/blocking.py)."""
+    return blocking.kv_block_table(self.spec.band, bq, bk, self.seq_q_padded // bq)
 
   def q_table(self, bq: int, bk: int) -> np.ndarray:
-    """``[nk, 4]``: the transpose, per kv block over q blocks."""
-    band, sq, sk = self.spec.band, self.spec.seq_q, self.spec.seq_k
-    nq, nk = self.seq_q_padded // bq, self.seq_k_padded // bk
-    out = np.zeros((nk, 4), np.int32)
-    for j in range(nk):
-      c0 = j * bk
-      c1 = min(c0 + bk, sk)
-      if c0 >= sk:
-        continue
-      lo_r, hi_r = band.q_bounds(c0, c1)
-      if hi_r <= lo_r:
-        continue
-      lo, hi = lo_r // bq, min(nq, -(-hi_r // bq))
-      if c0 + bk > sk:  # padded keys in this block: mask every q block
-        out[j] = (lo, hi, hi, hi)
-        continue
-      full_lo = band.q_bounds(c1 - 1, c1)[0]  # last key's first row
-      full_hi = min(band.q_bounds(c0, c0 + 1)[1], (sq // bq) * bq)
-      a = min(max(-(-full_lo // bq), lo), hi)
-      b = min(max(full_hi // bq, a), hi)
-      out[j] = (lo, a, b, hi)
-    return out
-
+    """``[nk, 4]``: the transpose, per kv block over q blocks; a kv block holding
+    padded keys masks every q block."""
+    return blocking.q_block_table(self.spec.band, bk, bq, self.seq_k_padded // bk,
+                                  strict_kv=True)
 
   def block_table(self, bq: int, bk: int, over_kv: bool, segment_ids=None):
     """``[B, n, 4]`` int32 loop boundaries of each program: :meth:`kv_table`
@@ -129,10 +93,9 @@ class Geometry:
     table = np.broadcast_to(static, (self.spec.batch,) + static.shape)
     if segment_ids is None:
       return table
-    q = segments.block_id_ranges(segment_ids[0], bq, self.seq_q_padded // bq)
-    kv = segments.block_id_ranges(segment_ids[1], bk, self.seq_k_padded // bk)
-    visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
-    lo, hi = visible(q, kv, self.spec.band, bq, bk)
+    q, kv = segments.id_ranges(*segment_ids, bq, bk, self.seq_q_padded // bq,
+                               self.seq_k_padded // bk)
+    lo, hi = segments.visible_blocks(q, kv, self.spec.band, bq, bk, over_kv=over_kv)
     bounds = segments.narrow(tuple(table[..., c] for c in range(4)), lo, hi)
     return jnp.stack(bounds, -1).astype(jnp.int32)
 

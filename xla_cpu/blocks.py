@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common import dropout as dropout_lib
-from ..common import segments
+from ..common import blocking, segments
 from ..common.blocking import BlockGrid, pad_axis
-from ..common.mask import band_allowed
+from ..common.mask import tile_allowed
 from ..common.spec import AttentionSpec, Operands
 from .config import XlaConfig
 
@@ -25,21 +25,6 @@ class Layout(BlockGrid):
   compute_dtype: Any = None  # matmul operands
   acc_dtype: Any = None  # accumulation, softmax statistics, bias
   precision: Any = None
-
-  def partial_blocks(self) -> np.ndarray:
-    """``[nq, nk]`` bool: True where the band or the key tail cuts the block, so
-    its elements need the positional mask; interior blocks skip it."""
-    out = np.zeros((self.num_q_blocks, self.num_kv_blocks), bool)
-    band = self.spec.band
-    for i in range(self.num_q_blocks):
-      r0, r1 = i * self.block_q, min((i + 1) * self.block_q, self.spec.seq_q) - 1
-      hi_first = band.kv_bounds(r0, r0 + 1)[1]
-      lo_last = band.kv_bounds(r1, r1 + 1)[0]
-      for j in range(self.num_kv_blocks):
-        c0, c1 = j * self.block_kv, (j + 1) * self.block_kv
-        out[i, j] = c1 > self.spec.seq_k or c0 < lo_last or c1 > hi_first
-    return out
-
 
   @property
   def splits_rows(self) -> bool:
@@ -54,18 +39,11 @@ class Layout(BlockGrid):
   def _half_reach(self) -> np.ndarray:
     """``[2, nq, nk]`` bool: whether the top (0) / bottom (1) half of q block i
     reaches kv block j through the band."""
-    band, half = self.spec.band, self.block_q // 2
-    bounds = np.zeros((2, self.num_q_blocks, 2), np.int64)  # key range, empty = (0, 0)
-    for i in range(self.num_q_blocks):
-      for h in range(2):
-        r0 = i * self.block_q + h * half
-        r1 = min(r0 + half, self.spec.seq_q)
-        if r1 > r0:
-          bounds[h, i] = band.kv_bounds(r0, r1)
-    c0 = np.arange(self.num_kv_blocks) * self.block_kv
-    c1 = np.minimum(c0 + self.block_kv, self.spec.seq_k)
-    k0, k1 = bounds[..., :1], bounds[..., 1:]
-    return (k0 < k1) & (c0 < k1) & (k0 < c1)
+    t = blocking.kv_block_table(self.spec.band, self.block_q // 2, self.block_kv,
+                                2 * self.num_q_blocks)
+    first, end = (t[:, c].reshape(self.num_q_blocks, 2).T[..., None] for c in (0, 3))
+    j = np.arange(self.num_kv_blocks)
+    return (first <= j) & (j < end)
 
   def split_ranges(self, over_kv: bool) -> tuple[np.ndarray, ...]:
     """Per outer block, ``(lo, t, a, b, h, hi)``: the inner blocks ``[lo, hi)``
@@ -76,14 +54,16 @@ class Layout(BlockGrid):
     band's left edge is seen by the top rows alone and its right edge (causal)
     by the bottom rows alone; walking q blocks it is the other way round.
     """
-    partial = self.partial_blocks()
-    lo, hi = self.kv_block_ranges() if over_kv else self.q_block_ranges()
+    band = self.spec.band
+    # Walking q blocks, a kv block with padded keys masks every q block; padded
+    # rows need no mask (their lse is +inf, so p = 0).
+    table = (blocking.kv_block_table(band, self.block_q, self.block_kv) if over_kv
+             else blocking.q_block_table(band, self.block_kv, self.block_q,
+                                         strict_kv=True, strict_q=False))
+    lo, a, b, hi = (table[:, c].copy() for c in range(4))
     reach = self._half_reach() if self.splits_rows else None
-    if not over_kv:
-      partial = partial.T
-      if reach is not None:
-        reach = reach[::-1].transpose(0, 2, 1)  # [first-run half, last-run half]
-    a, b = hi.copy(), hi.copy()
+    if not over_kv and reach is not None:
+      reach = reach[::-1].transpose(0, 2, 1)  # [first-run half, last-run half]
     t, h = lo.copy(), hi.copy()
     for o in range(len(lo)):
       run = slice(lo[o], hi[o])
@@ -94,12 +74,7 @@ class Layout(BlockGrid):
         first = np.flatnonzero(reach[0, o, run])
         t[o] = lo[o] + second[0] if second.size else hi[o]
         h[o] = lo[o] + first[-1] + 1 if first.size else lo[o]
-      inner = np.flatnonzero(~partial[o, run]) + lo[o]
-      if inner.size:
-        a[o], b[o] = inner[0], inner[-1] + 1
-        # Interior blocks form one run (the band is convex, the tail is last).
-        assert not partial[o, a[o]:b[o]].any(), (o, partial[o])
-      else:
+      if a[o] == b[o]:  # no interior block: an empty run where the second half starts
         a[o] = b[o] = min(t[o], hi[o])
       # Interior blocks are reached by all rows, so only masked ones are halved.
       t[o] = min(t[o], a[o])
@@ -119,15 +94,11 @@ class Layout(BlockGrid):
             for i, j in pairs}
     if len(keys) != 1:
       return None
-    i, j = pairs[0]
-    rows = i * self.block_q + np.arange(self.block_q)[:, None]
-    cols = j * self.block_kv + np.arange(self.block_kv)[None, :]
+    rows, cols = blocking.positions(*pairs[0], self.block_q, self.block_kv,
+                                    dense=False)
     ok = np.ones((self.block_q, self.block_kv), bool)
-    if not spec.band.is_full:
-      ok &= band_allowed(rows, cols, spec.band)
-    if tail:
-      ok &= cols < spec.seq_k
-    return ok
+    part = tile_allowed(spec.band, rows, cols, padded_keys=tail)
+    return ok if part is None else ok & part
 
 
 def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
@@ -264,65 +235,62 @@ def finish_logits(s, prep: Prepared, lay: Layout, i, j, transposed: bool = False
 
 
 def allowed(prep: Prepared, lay: Layout, i, j, positional: bool = True):
-  """Bool mask of block (i, j), broadcastable to ``[B, Hkv, G, bq, bk]``, or None
-  when everything is allowed. ``positional=False`` leaves out the band and the
-  key tail (for blocks that ``partial_blocks`` marks interior); a numpy array
-  is that mask, known ahead (``Layout.shared_positional_mask``)."""
+  """Bool mask of block (i, j) (``mask.tile_allowed``), broadcastable to ``[B,
+  Hkv, G, bq, bk]``, or None when everything is allowed. ``positional=False``
+  leaves out the band and the key tail (for blocks that ``split_ranges`` marks
+  interior); a numpy array is that mask, known ahead
+  (``Layout.shared_positional_mask``)."""
   spec = lay.spec
-  rows = i * lay.block_q + jnp.arange(lay.block_q, dtype=jnp.int32)[:, None]
-  cols = j * lay.block_kv + jnp.arange(lay.block_kv, dtype=jnp.int32)[None, :]
-  ok = None
+  known = None
   if isinstance(positional, np.ndarray):  # the same for every block of a run
-    ok, positional = jnp.asarray(positional), False
-  if positional and not spec.band.is_full:
-    ok = band_allowed(rows, cols, spec.band)
-  if positional and lay.seq_k_padded != spec.seq_k:
-    tail = cols < spec.seq_k
-    ok = tail if ok is None else ok & tail
-  if ok is not None:
-    ok = ok[None, None, None]
+    known, positional = jnp.asarray(positional)[None, None, None], False
+  rows = cols = q_ids = kv_ids = None
+  if positional:
+    rows, cols = (x[None, None, None] for x in blocking.positions(
+        i, j, lay.block_q, lay.block_kv, dense=False))
   if prep.q_ids is not None:
-    seg = (slice_q(prep.q_ids, lay, i, axis=1)[:, :, None] ==
-           slice_kv(prep.kv_ids, lay, j, axis=1)[:, None, :])[:, None, None]
-    ok = seg if ok is None else ok & seg
-  if prep.mask is not None:
-    m = slice_grouped(prep.mask, lay, i, j)
-    ok = m if ok is None else ok & m
-  return ok
+    q_ids = slice_q(prep.q_ids, lay, i, axis=1)[:, None, None, :, None]
+    kv_ids = slice_kv(prep.kv_ids, lay, j, axis=1)[:, None, None, None, :]
+  ok = tile_allowed(spec.band, rows, cols,
+                    padded_keys=lay.seq_k_padded != spec.seq_k, q_ids=q_ids,
+                    kv_ids=kv_ids,
+                    mask=None if prep.mask is None else slice_grouped(prep.mask, lay,
+                                                                       i, j))
+  if known is None:
+    return ok
+  return known if ok is None else known & ok
 
 
 def dropout_keep(prep: Prepared, lay: Layout, i, j):
-  """Keep-mask ``[B, Hkv, G, bq, bk]`` of the common hash at global indices."""
+  """Keep-mask ``[B, Hkv, G, bq, bk]`` of ``dropout.keep`` at global indices; the
+  row key is hashed once per row."""
   spec = lay.spec
   # Offsets of a block of a larger call (dropout.position_seed), else 0.
   seed, b0, h0, i0, j0 = dropout_lib.unpack_seed(prep.seed)
-  b = b0 + jnp.arange(spec.batch)[:, None, None, None]
+  b = b0 + jnp.arange(spec.batch)[:, None, None, None, None]
   h = h0 + (jnp.arange(spec.heads_kv)[:, None] * spec.group_size +
-            jnp.arange(spec.group_size)[None, :])[None, :, :, None]
-  rows = i0 + (i * lay.block_q + jnp.arange(lay.block_q))[None, None, None, :]
-  key = dropout_lib.row_key(seed, b, h, rows)
-  cols = j0 + j * lay.block_kv + jnp.arange(lay.block_kv)
-  return dropout_lib.keep_from_row_key(key[..., None], cols, spec.dropout_rate)
+            jnp.arange(spec.group_size)[None, :])[None, :, :, None, None]
+  rows, cols = blocking.positions(i, j, lay.block_q, lay.block_kv, dense=False)
+  return dropout_lib.keep(seed, b, h, i0 + rows, j0 + cols, spec.dropout_rate)
 
 
 def segment_ranges(prep: Prepared, lay: Layout):
-  """Per-block ``(min, max)`` of segment ids (common/segments.py), ``([B, nq],
+  """Per-block ``(min, max)`` of segment ids (``segments.id_ranges``), ``([B, nq],
   [B, nk])`` pairs, or None without ids."""
   if prep.q_ids is None:
     return None
   spec = lay.spec
-  return (segments.block_id_ranges(prep.q_ids[:, :spec.seq_q], lay.block_q,
-                                   lay.num_q_blocks),
-          segments.block_id_ranges(prep.kv_ids[:, :spec.seq_k], lay.block_kv,
-                                   lay.num_kv_blocks))
+  return segments.id_ranges(prep.q_ids[:, :spec.seq_q], prep.kv_ids[:, :spec.seq_k],
+                            lay.block_q, lay.block_kv, lay.num_q_blocks,
+                            lay.num_kv_blocks)
 
 
 def _visible(seg, lay: Layout, over_kv: bool):
   """Per outer block, the inner blocks ``[lo, hi)`` that the band and the ids of
   some batch element leave: the batch shares one loop, so it runs over the union
   (``lo = hi`` when no element sees any)."""
-  visible = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
-  lo, hi = visible(*seg, lay.spec.band, lay.block_q, lay.block_kv)
+  lo, hi = segments.visible_blocks(*seg, lay.spec.band, lay.block_q, lay.block_kv,
+                                   over_kv=over_kv)
   some = hi > lo
   n = lay.num_kv_blocks if over_kv else lay.num_q_blocks
   return jnp.where(some, lo, n).min(0), jnp.where(some, hi, 0).max(0)

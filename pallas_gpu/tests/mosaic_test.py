@@ -1,10 +1,9 @@
 """The Mosaic-GPU (Hopper) platform: the conformance suite on a Hopper GPU; on any
-machine, the kernel's block-range logic against the dense band, and every kernel
+machine, the kernel's CTA walks and persistent schedule, and every kernel
 variant lowered for CUDA (Mosaic-GPU lowers in Python, so trace and lowering errors
 show up on the CPU machine)."""
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -47,33 +46,27 @@ def _geometry(seq_q, seq_k, left, right, block_kv=64):
       block_kv=block_kv, stages=2, dtype="bfloat16")
 
 
-BANDS = [(None, None), (None, 0), (32, 0), (0, 0), (100, 20), (5, None), (70, 3)]
-
-
-@pytest.mark.parametrize("seq_q,seq_k,band,block_kv", [
-    (sq, sk, b, bk) for (sq, sk), b, bk in itertools.product(
-        [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 128))])
-def test_block_ranges_match_the_dense_band(seq_q, seq_k, band, block_kv):
-  """Per warpgroup: every block outside [lo, hi) is empty (skipping it is exact)
-  and [a, b) holds only fully allowed in-range blocks (dropping the mask there is
-  exact); the CTA walk [lo_c, hi_c) contains both warpgroups' ranges."""
-  g = _geometry(seq_q, seq_k, *band, block_kv=block_kv)
-  dense = np.asarray(g.band.as_array())
-  nk = g.seq_k_padded // block_kv
-  for tile in range(g.num_q_tiles):
-    rng, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile)
-    for w in (0, 1):
-      lo, a, b, hi = (int(x) for x in rng[w])
-      assert int(lo_c) <= lo <= a <= b <= hi <= int(hi_c) <= nk
-      r0 = tile * 128 + w * 64
-      rows = dense[r0:min(r0 + 64, seq_q)]
-      for j in range(nk):
-        blk = rows[:, j * block_kv:(j + 1) * block_kv]
-        full = blk.shape[1] == block_kv and blk.size and blk.all()
-        if not lo <= j < hi:
-          assert not blk.any(), (tile, w, j)
-        if a <= j < b:
-          assert full, (tile, w, j)
+@pytest.mark.parametrize("seq_q,seq_k,left,right", [
+    (200, 333, None, None), (333, 200, None, 0), (1000, 64, 100, 20),
+    (64, 1000, 5, None)])
+def test_cta_walks_hold_the_common_ranges_of_both_warpgroups(seq_q, seq_k, left, right):
+  """Forward and dK/dV: each warpgroup's ranges are common/blocking.py's for its
+  rows (keys) and the CTA walk [lo_c, hi_c) contains both (the ranges
+  themselves are checked against the dense band in common/tests)."""
+  g = _geometry(seq_q, seq_k, left, right)
+  g = dataclasses.replace(g, seq_k_padded=-(-seq_k // 128) * 128)
+  for walk, own, tiles, rows, step in (
+      (mosaic_blocks.cta_block_ranges, mosaic_blocks.wg_block_ranges, g.num_q_tiles,
+       g.block_q, g.seq_k_padded // g.block_kv),
+      (mosaic_blocks.cta_q_ranges, mosaic_blocks.wg_q_ranges, g.num_kv_tiles,
+       g.block_kv, g.seq_q_padded // g.block_q)):
+    for tile in range(tiles):
+      rng, lo_c, hi_c = walk(g, tile)
+      for w in (0, 1):
+        lo, a, b, hi = (int(x) for x in own(g, tile * 2 * rows + w * rows))
+        if hi > lo:
+          assert tuple(int(x) for x in rng[w]) == (lo, a, b, hi)
+        assert int(lo_c) <= int(rng[w][0]) <= int(rng[w][3]) <= int(hi_c) <= step
 
 
 @pytest.mark.parametrize("batch,heads,seq,ctas", [
@@ -159,38 +152,6 @@ def test_split_tail_applies_to_the_persistent_full_band_only():
                 _tail_geometry(1, 2, 256, 256, 132)):  # one round: nothing to split
     assert mosaic_blocks.tail_plan(other) is None
     assert mosaic_blocks.num_units(other) == other.num_tiles
-
-
-@pytest.mark.parametrize("seq_q,seq_k,band,block_q", [
-    (sq, sk, b, bq) for (sq, sk), b, bq in itertools.product(
-        [(256, 256), (200, 333), (333, 200), (64, 1000), (1000, 64)], BANDS, (64, 32))])
-def test_dkv_q_ranges_match_the_dense_band(seq_q, seq_k, band, block_q):
-  """dK/dV kernel, per warpgroup of 64 keys: q blocks outside [lo, hi) reach none
-  of the real keys, blocks in [a, b) reach every real key from every real row;
-  the CTA walk contains both ranges."""
-  band_ = Band(seq_q=seq_q, seq_k=seq_k, left=band[0], right=band[1])
-  g = mosaic_blocks.Geometry(
-      batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // block_q) * block_q,
-      seq_k_padded=-(-seq_k // 128) * 128, heads_q=1, heads_kv=1, head_dim=64,
-      band=band_, softmax_scale=1.0, soft_cap=None, block_q=block_q, block_kv=64,
-      stages=2, dtype="bfloat16")
-  dense = np.asarray(band_.as_array())
-  nq = g.seq_q_padded // block_q
-  for tile in range(g.num_kv_tiles):
-    rng, lo_c, hi_c = mosaic_blocks.cta_q_ranges(g, tile)
-    for w in (0, 1):
-      lo, a, b, hi = (int(x) for x in rng[w])
-      assert int(lo_c) <= lo <= a <= b <= hi <= int(hi_c) <= nq
-      k0 = tile * 128 + w * 64
-      cols = dense[:, k0:min(k0 + 64, seq_k)]
-      for i in range(nq):
-        blk = cols[i * block_q:(i + 1) * block_q]
-        if not lo <= i < hi:
-          assert not blk.any(), (tile, w, i)
-        if a <= i < b:
-          assert blk.all(), (tile, w, i)
-      if cols.size and cols.any():
-        assert hi > lo
 
 
 VARIANTS = [
