@@ -8,7 +8,7 @@ blocks the ids leave visible (common/segments.py). A bias or dense mask over
 whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
 blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
 dbias). Features the kernels lack (dropout, fp32, a bias or mask broadcast along
-Sq or Sk) raise NotImplementedError, so the frontend routes those calls to
+Sq or Sk, a mask with a soft cap) raise NotImplementedError, so the frontend routes those calls to
 Pallas-Triton.
 """
 
@@ -50,6 +50,10 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
     if padded_head_dim(spec) > BIAS_MAX_HEAD_DIM:
       return (f"a {name} with head dim {max(spec.head_dim, spec.head_dim_v)} > "
               f"{BIAS_MAX_HEAD_DIM}")
+  # The mask rides in the additive tile as -inf, which the soft cap would turn
+  # into -cap.
+  if spec.mask_shape is not None and spec.logits_soft_cap is not None:
+    return "a mask with a soft cap"
   return None
 
 

@@ -24,13 +24,16 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
                                      default_dtype="bfloat16")
 
   def expected_error(self, case):
-    """A bias or mask runs only over whole [Sq, Sk] slices, at head dims <= 128."""
+    """A bias or mask runs only over whole [Sq, Sk] slices, at head dims <= 128,
+    and a mask not with a soft cap."""
     reason = super().expected_error(case)
     for shape in (case.bias_shape, case.mask_shape):
       if reason is None and shape is not None:
         whole = len(shape) >= 2 and shape[-2:] == (-1, -1)
         if not whole or max(case.head_dim, case.head_dim_v or 0) > 128:
           reason = f"bias/mask shape {shape} at head dim {case.head_dim}"
+    if reason is None and case.mask_shape is not None and case.logits_soft_cap:
+      reason = "a mask with a soft cap"
     return reason
 
   def attention(self, q, k, v, **kwargs):
@@ -234,6 +237,8 @@ def test_supported_reasons():
   assert "broadcast along Sq or Sk" in mosaic.supported(
       s(bias=sd((1, 2, 1, 64), jnp.float32)))
   assert "head dim 256" in mosaic.supported(s(d=256, mask=sd((1, 1, 64, 64), jnp.bool_)))
+  assert "soft cap" in mosaic.supported(s(mask=sd((1, 1, 64, 64), jnp.bool_),
+                                          logits_soft_cap=30.0))
   if not ON_HOPPER:
     q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="Hopper"):
