@@ -107,10 +107,11 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   padding (output 0). Lowered to segment ids (no ``[S, S]`` mask). Causal and
   window bands are aligned bottom-right per sequence, as in FlashAttention: with
   different q and k lengths, query i of a sequence sees key j iff
-  ``j <= i + len_k - len_q`` (and ``j >= i + len_k - len_q - left``). When
-  ``cu_seqlens_q is cu_seqlens_k`` this runs on the packed rows directly;
-  otherwise rows are moved to an end-aligned layout of ``total_q + total_k`` rows
-  first (more work, same result).
+  ``j <= i + len_k - len_q`` (and ``j >= i + len_k - len_q - left``). With equal
+  offsets (the same array, equal values, or under ``jit`` equal at run time, a
+  ``lax.cond``) this runs on the packed rows directly; otherwise rows are moved to
+  an end-aligned layout of ``total_q + total_k`` rows first (more work, same
+  result).
 
   ``seqused_k`` (flash-attn3-jax's keyword): int ``[num_sequences]``; sequence
   ``s`` then has keys ``cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]`` only
@@ -147,8 +148,15 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _check_used(seqused_k, cu_seqlens_k)
   window_size = _window_pair(window_size)
   banded = is_causal or tuple(window_size) != (-1, -1)
-  if banded and (cu_seqlens_q is not cu_seqlens_k or q.shape[0] != k.shape[0] or
-                 seqused_k is not None):
+  attend = lambda q, k, v, q_ids, kv_ids: api.flash_attention(
+      q[None], k[None], v[None], softmax_scale=softmax_scale, causal=is_causal,
+      sliding_window=tuple(window_size), segment_ids=(q_ids[None], kv_ids[None]))[0]
+
+  def packed(q, k, v):
+    return attend(q, k, v, _cu_to_ids(cu_seqlens_q, q.shape[0], -1),
+                  _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k))
+
+  def end_aligned(q, k, v):
     pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],
                                        k.shape[0], seqused_k)
     rows = q.shape[0] + k.shape[0]
@@ -160,14 +168,19 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _cu_to_ids(cu_seqlens_q, q.shape[0], -1))
     kv_ids = jnp.full((rows,), -2, jnp.int32).at[pos_k].set(
         _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k))
-    out = api.flash_attention(place(q, pos_q)[None], place(k, pos_k)[None],
-                              place(v, pos_k)[None], softmax_scale=softmax_scale,
-                              causal=is_causal, sliding_window=tuple(window_size),
-                              segment_ids=(q_ids[None], kv_ids[None]))
-    return out[0, pos_q]
-  q_ids = _cu_to_ids(cu_seqlens_q, q.shape[0], -1)
-  kv_ids = _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k)
-  out = api.flash_attention(q[None], k[None], v[None], softmax_scale=softmax_scale,
-                            causal=is_causal, sliding_window=tuple(window_size),
-                            segment_ids=(q_ids[None], kv_ids[None]))
-  return out[0]
+    return attend(place(q, pos_q), place(k, pos_k), place(v, pos_k), q_ids,
+                  kv_ids)[pos_q]
+
+  # The packed rows serve directly unless a band meets sequences whose q and k
+  # offsets differ (bottom-right alignment per sequence needs the relayout).
+  if not banded or cu_seqlens_q is cu_seqlens_k and seqused_k is None:
+    return packed(q, k, v)
+  if q.shape[0] != k.shape[0] or seqused_k is not None:
+    return end_aligned(q, k, v)
+  if not any(isinstance(cu, jax.core.Tracer) for cu in (cu_seqlens_q, cu_seqlens_k)):
+    same = np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))
+    return packed(q, k, v) if same else end_aligned(q, k, v)
+  # Offsets known only when the program runs (under jit): equal offsets, the
+  # usual self-attention over packed documents, take the packed rows then.
+  return jax.lax.cond(jnp.array_equal(cu_seqlens_q, cu_seqlens_k), packed,
+                      end_aligned, q, k, v)

@@ -143,6 +143,31 @@ def test_flash_mha_varlen_matches_per_sequence(causal):
   assert np.all(np.asarray(out[start:]) == 0)
 
 
+def test_flash_mha_varlen_equal_offsets_in_two_arrays_take_the_packed_rows():
+  """Causal with q and k offsets in two arrays: equal values (eagerly, and under
+  jit through a lax.cond at run time) and different values of one total, each
+  against the reference per sequence (bottom-right bands)."""
+  ks = jax.random.split(jax.random.key(8), 3)
+  total = 70
+  q = jax.random.normal(ks[0], (total, 2, 16))
+  k = jax.random.normal(ks[1], (total, 1, 16))
+  v = jax.random.normal(ks[2], (total, 1, 16))
+  cu = lambda lens: jnp.array(np.cumsum([0] + lens), jnp.int32)
+  run = lambda q, k, v, a, b: flashjax.flash_mha_varlen(q, k, v, a, b, 40, 40,
+                                                        is_causal=True)
+  for lens_q, lens_k in (([10, 30, 22], [10, 30, 22]), ([10, 30, 22], [20, 20, 22])):
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    assert "cond" in str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))
+    for out in (run(q, k, v, cu_q, cu_k), jax.jit(run)(q, k, v, cu_q, cu_k)):
+      sq = sk = 0
+      for nq, nk in zip(lens_q, lens_k):
+        ref = reference.attention(q[None, sq:sq + nq], k[None, sk:sk + nk],
+                                  v[None, sk:sk + nk], causal=True)[0]
+        _close(out[sq:sq + nq], ref)
+        sq, sk = sq + nq, sk + nk
+      assert np.all(np.asarray(out[sq:]) == 0)
+
+
 def test_flash_mha_varlen_cross_attention_and_errors():
   q = jax.random.normal(jax.random.key(8), (10, 2, 16))
   kv = jax.random.normal(jax.random.key(9), (14, 2, 16))
