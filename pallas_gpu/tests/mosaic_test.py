@@ -170,6 +170,11 @@ VARIANTS = [
     # The backward's dQ and dK/dV kernels as one launch (default) or two.
     dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
                                                   heads_kv=2, bwd_one_launch=False),
+    # Segment ids in all three kernels (ids and visible-block tables as operands).
+    dict(segment_ids=True, causal=True), dict(segment_ids=True, bwd_one_launch=False),
+    # The forward's additive tile (the backward is Pallas-Triton's).
+    dict(bias=True, causal=True), dict(mask=True, logits_soft_cap=None, seq_q=200),
+    dict(bias=True, mask=True, dtype="float16"),
 ]
 
 
@@ -185,12 +190,30 @@ def test_every_variant_lowers_for_cuda(variant):
   split_tail = kw.pop("split_tail", False)
   one_launch = kw.pop("bwd_one_launch", True)
   sd = jax.ShapeDtypeStruct
-  q = sd((shape["batch"], shape["seq_q"], shape["heads_q"], shape["head_dim"]), dtype)
-  k = sd((shape["batch"], shape["seq_k"], shape["heads_kv"], shape["head_dim"]), dtype)
-  extra = (sd((shape["heads_q"], 1), jnp.float32),) if sinks else ()
+  b, sq, sk, hq = shape["batch"], shape["seq_q"], shape["seq_k"], shape["heads_q"]
+  q = sd((b, sq, hq, shape["head_dim"]), dtype)
+  k = sd((b, sk, shape["heads_kv"], shape["head_dim"]), dtype)
+  arrays = {}
+  if sinks:
+    arrays["sinks"] = sd((hq, 1), jnp.float32)
+  if kw.pop("segment_ids", False):
+    arrays["q_ids"], arrays["kv_ids"] = sd((b, sq), jnp.int32), sd((b, sk), jnp.int32)
+  if kw.pop("bias", False):
+    arrays["bias"] = sd((1, hq, sq, sk), dtype)
+  if kw.pop("mask", False):
+    arrays["mask"] = sd((b, 1, sq, sk), jnp.bool_)
+  names = tuple(arrays)
+  extra = tuple(arrays.values())
+  additive = "bias" in arrays or "mask" in arrays
 
-  def fwd(q, k, v, *sinks):
-    ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
+  def features(values):
+    f = dict(zip(names, values))
+    if "q_ids" in f:
+      f["segment_ids"] = (f.pop("q_ids"), f.pop("kv_ids"))
+    return f
+
+  def fwd(q, k, v, *values):
+    ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
     config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent,
                                  split_tail=split_tail)
@@ -205,8 +228,8 @@ def test_every_variant_lowers_for_cuda(variant):
   # The split tail's parts are merged by triton_tail's (Pallas-Triton) kernel.
   assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
 
-  def bwd(q, k, v, *sinks):
-    ops, spec = spec_lib.canonicalize(q, k, v, sinks=sinks[0] if sinks else None, **kw)
+  def bwd(q, k, v, *values):
+    ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
     static = platform.Static(dataclasses.replace(
         config, backward=pallas_triton.default_config(spec)))
@@ -219,7 +242,7 @@ def test_every_variant_lowers_for_cuda(variant):
   # Pallas-Triton backward beyond.
   mosaic_bwd_launches = 1 if one_launch else 2
   assert text.count("custom_call @mosaic_gpu") == (
-      1 + mosaic_bwd_launches if shape["head_dim"] <= 128 else 1)
+      1 + mosaic_bwd_launches if shape["head_dim"] <= 128 and not additive else 1)
 
 
 def test_supported_reasons():
