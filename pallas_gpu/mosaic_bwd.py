@@ -118,22 +118,16 @@ def _dkv_program(g: Geometry, dtype):
       plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
-        plgpu.copy_gmem_to_smem(kid_ref.at[b_idx, pl.ds(k0, bk)], kid_smem.at[wg],
-                                kid_bar.at[wg])
-        plgpu.barrier_wait(kid_bar.at[wg])
-        k_ids = compat.mgpu_load(kid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        k_ids = mosaic_pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
+                                        plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
 
-      def q_ids(slot, load=True):
-        """The slot's q ids in registers if ``load``; every step waits for them, so
-        the barrier's phases stay in step."""
+      def q_ids(slot, load):
         if not g.segments:
           return None
-        plgpu.barrier_wait(qid_bar.at[slot])
-        if load:
-          return compat.mgpu_load(qid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-        return None
+        return mosaic_pipeline.slot_ids(qid_bar, qid_smem, slot,
+                                        plgpu.Layout.WGMMA.reduce(0), load)
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
@@ -309,21 +303,16 @@ def _dq_program(g: Geometry, dtype):
                               q_bar.at[3 * wg + 2])
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
-        plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
-                                qid_bar.at[wg])
-        plgpu.barrier_wait(qid_bar.at[wg])
-        q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        q_ids = mosaic_pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
+                                        plgpu.Layout.WGMMA.reduce(1))
       for i in range(3):
         plgpu.barrier_wait(q_bar.at[3 * wg + i])
 
-      def kv_ids(slot, load=True):
-        """As ``q_ids`` of the dK/dV kernel, for the slot's kv ids."""
+      def kv_ids(slot, load):
         if not g.segments:
           return None
-        plgpu.barrier_wait(kid_bar.at[slot])
-        if load:
-          return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-        return None
+        return mosaic_pipeline.slot_ids(kid_bar, kid_smem, slot,
+                                        plgpu.Layout.WGMMA.reduce(0), load)
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])

@@ -136,8 +136,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(q_bar.at[wg])
         if g.segments:
-          plgpu.barrier_wait(qid_bar.at[wg])
-          q_ids = compat.mgpu_load(qid_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+          q_ids = mosaic_pipeline.slot_ids(qid_bar, qid_smem, wg,
+                                           plgpu.Layout.WGMMA.reduce(1))
 
         def bias_tile(slot, load=True):
           """This warpgroup's rows of the slot's additive tile (fp32 logits units
@@ -149,15 +149,12 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
             return None
           return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA)
 
-        def kv_ids(slot, load=True):
-          """The slot's kv ids in registers (read before K's slot is released) if
-          ``load``; every step waits for them, so the barrier's phases stay in step."""
+        def kv_ids(slot, load):
+          """The slot's kv ids, read before K's slot is released."""
           if not g.segments:
             return None
-          plgpu.barrier_wait(kid_bar.at[slot])
-          if load:
-            return compat.mgpu_load(kid_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-          return None
+          return mosaic_pipeline.slot_ids(kid_bar, kid_smem, slot,
+                                          plgpu.Layout.WGMMA.reduce(0), load)
 
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))

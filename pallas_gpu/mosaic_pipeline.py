@@ -13,6 +13,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from ..common import compat
+
 
 def produce(lo_c, hi_c, stages: int, loads):
   """The memory warpgroup of a one-tile CTA: fills the ring for steps
@@ -57,3 +59,17 @@ def with_ids(load, g, ids_ref, ids_smem, ids_bar, b_idx):
     plgpu.copy_gmem_to_smem(ids_ref.at[b_idx, pl.ds(s * g.block_kv, g.block_kv)],
                             ids_smem.at[slot], ids_bar.at[slot])
   return load_both
+
+
+def slot_ids(bar, smem, slot, layout, load: bool = True):
+  """Waits for slot ``slot``'s segment ids (every step waits, so the barrier's
+  phases stay in step) and, if ``load``, reads them into registers in ``layout``."""
+  plgpu.barrier_wait(bar.at[slot])
+  return compat.mgpu_load(smem.at[slot], layout) if load else None
+
+
+def own_ids(ids_ref, smem, bar, b_idx, start, n: int, wg, layout):
+  """The ids of warpgroup ``wg``'s own ``n`` rows (or keys) from ``start``, copied
+  into its slot and read into registers."""
+  plgpu.copy_gmem_to_smem(ids_ref.at[b_idx, pl.ds(start, n)], smem.at[wg], bar.at[wg])
+  return slot_ids(bar, smem, wg, layout)
