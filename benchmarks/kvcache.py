@@ -140,8 +140,8 @@ def _flashjax(platform=None):
 def _fa3(shape: Shape):
   import flash_attn3_jax
 
-  from flashjax import registry
-  splits = fa3_num_splits(shape, registry.num_sms())
+  from flashjax.common import hardware
+  splits = fa3_num_splits(shape, hardware.num_sms())
 
   def fn(q, cache: Cache, causal):
     return flash_attn3_jax.flash_mha_with_kvcache(

@@ -257,6 +257,31 @@ def test_kvcache_rows_are_checked_on_the_gathered_keys(monkeypatch):
   assert all(r.status == kvcache.SKIPPED for r in rows if r.direction == "bwd")
 
 
+def test_kvcache_peer_row_builds_and_runs(monkeypatch):
+  """The flash-attn3-jax row past its import: its split count is taken from the
+  device and the call it builds is run and checked (a stand-in module with the
+  peer's signature, answering with flashjax's own entry)."""
+  import sys
+  import types
+
+  import flashjax
+  from flashjax.benchmarks import kvcache
+  seen = {}
+
+  def peer(q, k, v, *, num_splits, **kw):
+    seen["num_splits"] = num_splits
+    return flashjax.flash_mha_with_kvcache(q, k, v, num_splits=0, **kw)
+  monkeypatch.setitem(sys.modules, "flash_attn3_jax",
+                      types.SimpleNamespace(flash_mha_with_kvcache=peer))
+  builders = kvcache.variants({"xla": impls.IMPLS["xla"].build(),
+                               "flash-attn3-jax": None})
+  rows = kvcache.run_variants({"flash-attn3-jax[kvcache]":
+                               builders["flash-attn3-jax[kvcache]"]},
+                              KV_PAGED, jnp.float32, ["fwd"], iters=1, repeats=1)
+  assert [r.status for r in rows] == ["ok"]
+  assert seen["num_splits"] >= 1
+
+
 def test_cli_runs_kvcache_shapes_with_the_copy_limit(tmp_path, capsys, monkeypatch):
   import jax
 
