@@ -63,8 +63,16 @@ class JsonCache:
       return {}
 
   def lookup(self, spec):
+    """The cached winner, or None; an entry this config layout cannot read (one
+    cached before its fields changed) is a miss, so the caller tunes again or
+    takes the default."""
     entry = self._load().get(self.key_prefix + shape_class(spec))
-    return None if entry is None else self.from_json(entry)
+    if entry is None:
+      return None
+    try:
+      return self.from_json(entry)
+    except (KeyError, TypeError, ValueError, AttributeError):
+      return None
 
   def store(self, spec, cfg):
     path = self.path

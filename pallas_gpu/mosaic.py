@@ -25,9 +25,9 @@ from ..common import epilogue, hardware, platform, segments, vjp
 from ..common import spec as spec_lib
 from . import mosaic_autotune, pallas_triton, triton_decode
 from .mosaic_blocks import Geometry
-from .mosaic_config import (BIAS_BLOCK_KV, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
-                            default_config, has_additive_tile, padded_head_dim,
-                            uses_mosaic_backward)
+from .mosaic_config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
+                            MosaicDkv, MosaicDq, MosaicForward, default_config,
+                            has_additive_tile, padded_head_dim, uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
 CONFIG = MosaicConfig
@@ -59,20 +59,21 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 
 def geometry(spec, config: MosaicConfig) -> Geometry:
   d = padded_head_dim(spec)
-  tile = 2 * config.block_q
-  persistent = config.persistent
+  fwd = config.fwd
+  tile = 2 * fwd.block_q
+  persistent = fwd.persistent
   if persistent is None:
     # Packed documents make tiles uneven like a causal band does.
     persistent = spec.band.is_full and not spec.has_segment_ids
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // tile) * tile,
-      seq_k_padded=-(-spec.seq_k // config.block_kv) * config.block_kv,
+      seq_k_padded=-(-spec.seq_k // fwd.block_kv) * fwd.block_kv,
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
-      block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+      block_q=fwd.block_q, block_kv=fwd.block_kv, num_stages=fwd.num_stages,
       dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
-      split_tail=config.split_tail and not spec.has_segment_ids,
+      split_tail=fwd.split_tail and not spec.has_segment_ids,
       segments=spec.has_segment_ids)
 
 
@@ -81,8 +82,9 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
   the same padded operands."""
   d = padded_head_dim(spec)
   lcm = lambda a, b: a * b // math.gcd(a, b)
-  q_tile = lcm(2 * config.block_q, config.dkv_block_q)
-  k_tile = lcm(config.dq_block_kv, 2 * config.dkv_block_kv)
+  dq, dkv = config.dq, config.dkv
+  q_tile = lcm(2 * dq.block_q, dkv.block_q)
+  k_tile = lcm(dq.block_kv, 2 * dkv.block_kv)
   common = dict(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // q_tile) * q_tile,
@@ -90,10 +92,10 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
       segments=spec.has_segment_ids)
-  return (Geometry(block_q=config.block_q, block_kv=config.dq_block_kv,
-                   stages=config.dq_stages, **common),
-          Geometry(block_q=config.dkv_block_q, block_kv=config.dkv_block_kv,
-                   stages=config.dkv_stages, **common))
+  return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
+                   **common),
+          Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,
+                   num_stages=dkv.num_stages, **common))
 
 
 def additive_tile(ops, spec, g: Geometry):
@@ -206,13 +208,16 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
     raise NotImplementedError("needs a Hopper GPU")
   explicit = config is not None
   config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
-  if has_additive_tile(spec) and (config.block_kv, config.stages) != (BIAS_BLOCK_KV, 2):
+  tiles = lambda c: (c.block_kv, c.num_stages)
+  if has_additive_tile(spec) and tiles(config.fwd) != tiles(BIAS_FORWARD):
     if explicit:
-      raise ValueError(f"with a bias or mask, block_kv must be {BIAS_BLOCK_KV} and "
-                       f"stages 2 (the additive tile shares shared memory with the "
-                       f"K/V ring), got block_kv={config.block_kv}, "
-                       f"stages={config.stages}")
-    config = dataclasses.replace(config, block_kv=BIAS_BLOCK_KV, stages=2)
+      raise ValueError(f"with a bias or mask, fwd.block_kv must be "
+                       f"{BIAS_FORWARD.block_kv} and fwd.num_stages "
+                       f"{BIAS_FORWARD.num_stages} (the additive tile shares shared "
+                       f"memory with the K/V ring), got fwd.block_kv="
+                       f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
+    config = dataclasses.replace(config, fwd=dataclasses.replace(
+        config.fwd, block_kv=BIAS_FORWARD.block_kv, num_stages=BIAS_FORWARD.num_stages))
   # The Pallas-Triton backward's tiles (D > 128) travel in the config.
   config = dataclasses.replace(config, backward=config.backward or
                                pallas_triton.resolve_config(spec, None, False))

@@ -25,30 +25,24 @@ from . import mosaic_config
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
 # shared memory (D = 256 leaves room for 64-key blocks in two stages only).
 FORWARD = {
-    64: (dict(block_kv=128, stages=3), dict(block_kv=128, stages=2),
-         dict(block_kv=64, stages=3), dict(block_kv=64, stages=4)),
-    128: (dict(block_kv=128, stages=2), dict(block_kv=64, stages=3),
-          dict(block_kv=64, stages=4), dict(block_kv=64, stages=2)),
-    256: (dict(block_kv=64, stages=2),),
+    64: (dict(block_kv=128, num_stages=3), dict(block_kv=128, num_stages=2),
+         dict(block_kv=64, num_stages=3), dict(block_kv=64, num_stages=4)),
+    128: (dict(block_kv=128, num_stages=2), dict(block_kv=64, num_stages=3),
+          dict(block_kv=64, num_stages=4), dict(block_kv=64, num_stages=2)),
+    256: (dict(block_kv=64, num_stages=2),),
 }
 # The split tail applies to persistent full-band launches only (mosaic_blocks).
 LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
           dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
-BACKWARD = (dict(), dict(dq_block_kv=128), dict(dq_stages=3), dict(dkv_stages=3),
-            dict(dkv_block_q=128), dict(bwd_one_launch=False))
+# Backward variants of the forward winner: (kernel, fields), kernel "" for the
+# config's own fields.
+BACKWARD = (("", dict()), ("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
+            ("dkv", dict(num_stages=3)), ("dkv", dict(block_q=128)),
+            ("", dict(bwd_one_launch=False)))
 
 
-def _to_json(cfg: mosaic_config.MosaicConfig) -> dict:
-  d = dataclasses.asdict(cfg)
-  d.pop("backward")
-  return d
-
-
-def _from_json(d: dict) -> mosaic_config.MosaicConfig:
-  return mosaic_config.MosaicConfig(**d)
-
-
-CACHE = common.JsonCache("pallas_mosaic_gpu", _to_json, _from_json, key_prefix="mosaic|")
+CACHE = common.JsonCache("pallas_mosaic_gpu", mosaic_config.to_json,
+                         mosaic_config.from_json, key_prefix="mosaic|")
 
 
 def lookup(spec) -> mosaic_config.MosaicConfig | None:
@@ -68,13 +62,19 @@ def candidates(spec, base: mosaic_config.MosaicConfig):
   (``base`` first), and ``f(forward winner) -> backward configs`` (empty where the
   Mosaic backward does not run)."""
   d = mosaic_config.padded_head_dim(spec)
-  fwd = _unique([base] + [dataclasses.replace(base, **tiles, **launch)
-                          for tiles in FORWARD[d] for launch in LAUNCH])
+  fwd = _unique([base] + [dataclasses.replace(base, fwd=dataclasses.replace(
+      base.fwd, **tiles, **launch)) for tiles in FORWARD[d] for launch in LAUNCH])
+
+  def vary(cfg, kernel, fields):
+    if not kernel:
+      return dataclasses.replace(cfg, **fields)
+    return dataclasses.replace(cfg, **{kernel: dataclasses.replace(
+        getattr(cfg, kernel), **fields)})
 
   def bwd(winner):
     if not mosaic_config.uses_mosaic_backward(spec, winner):
       return []
-    return _unique([dataclasses.replace(winner, **fields) for fields in BACKWARD])
+    return _unique([vary(winner, kernel, fields) for kernel, fields in BACKWARD])
 
   return fwd, bwd
 

@@ -41,7 +41,7 @@ class Geometry:
   soft_cap: float | None
   block_q: int
   block_kv: int
-  stages: int
+  num_stages: int
   dtype: str
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.

@@ -74,8 +74,8 @@ def _segment_scoped(g: Geometry, own: int, streamed: int):
   (``own`` each) and of each ring slot (``streamed`` each)."""
   if not g.segments:
     return ()
-  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.stages, streamed), jnp.int32)),
-          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.stages)))
+  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
+          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.num_stages)))
 
 
 def _segment_parts(g: Geometry, seg, b_idx):
@@ -93,7 +93,7 @@ def _dkv_program(g: Geometry, dtype):
   ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), seg, *scoped)`` for
   key tile ``tile`` of one (query head, batch); ``seg``: the segment refs (kv
   ids, q ids, table), shared memory and barriers, or None."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, seg, smem,
              bars, free):
@@ -277,7 +277,7 @@ def _dq_program(g: Geometry, dtype):
   """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, dq, (tile,
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
   :func:`_dkv_program` with q ids first."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, seg, smem, bars,
              free):

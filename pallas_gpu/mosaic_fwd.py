@@ -66,9 +66,9 @@ def separate_out_smem(g: Geometry) -> bool:
   not, the output is staged in Q's buffer and the next Q load waits for the store."""
   item = 2  # bf16/fp16
   q_bytes = 2 * g.block_q * g.head_dim * item
-  ring = 2 * g.stages * g.block_kv * g.head_dim * item
+  ring = 2 * g.num_stages * g.block_kv * g.head_dim * item
   if g.bias_dtype is not None:
-    ring += g.stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
+    ring += g.num_stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
@@ -79,7 +79,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
   (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
   operand ``[B|1, H|1, Sqp, Skp]``."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas

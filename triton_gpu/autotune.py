@@ -9,32 +9,32 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import autotune as common
-from .plan import Launch, TritonKernelsConfig, default_config
+from .plan import KernelConfig, KernelsConfig, default_config
 
 FWD_CANDIDATES = (
-    Launch(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-    Launch(block_q=128, block_kv=128, num_warps=8, num_stages=3),
-    Launch(block_q=128, block_kv=64, num_warps=4, num_stages=3),
-    Launch(block_q=64, block_kv=64, num_warps=4, num_stages=3),
-    Launch(block_q=128, block_kv=32, num_warps=4, num_stages=4),
+    KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
+    KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3),
+    KernelConfig(block_q=128, block_kv=32, num_warps=4, num_stages=4),
 )
 BWD_CANDIDATES = (
-    (Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2),) * 2,
-    (Launch(block_q=128, block_kv=64, num_warps=8, num_stages=2),
-     Launch(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
-    (Launch(block_q=64, block_kv=64, num_warps=8, num_stages=3),) * 2,
+    (KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2),) * 2,
+    (KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2),
+     KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
+    (KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=3),) * 2,
 )
 # D > 128: tiles of 256 columns leave room for narrow tiles only.
 WIDE_FWD_CANDIDATES = (
-    Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-    Launch(block_q=64, block_kv=64, num_warps=8, num_stages=2),
-    Launch(block_q=128, block_kv=32, num_warps=8, num_stages=2),
+    KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2),
+    KernelConfig(block_q=128, block_kv=32, num_warps=8, num_stages=2),
 )
 WIDE_BWD_CANDIDATES = (
-    (Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),) * 2,
-    (Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-     Launch(block_q=32, block_kv=64, num_warps=4, num_stages=2)),
-    (Launch(block_q=64, block_kv=64, num_warps=8, num_stages=1),) * 2,
+    (KernelConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),) * 2,
+    (KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+     KernelConfig(block_q=32, block_kv=64, num_warps=4, num_stages=2)),
+    (KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=1),) * 2,
 )
 
 
@@ -44,16 +44,16 @@ def candidates(spec):
   return FWD_CANDIDATES, BWD_CANDIDATES
 
 
-CACHE = common.JsonCache("triton", dataclasses.asdict, TritonKernelsConfig.from_json,
+CACHE = common.JsonCache("triton", dataclasses.asdict, KernelsConfig.from_json,
                          key_prefix="triton|")
 
 
 def tune(spec, run, *, timer=common.default_timer,
-         base: TritonKernelsConfig | None = None) -> TritonKernelsConfig:
+         base: KernelsConfig | None = None) -> KernelsConfig:
   """Times the candidates for ``spec`` and caches the winner
   (:func:`common.autotune.tune_kernels`)."""
   return common.tune_kernels(spec, run, candidates=candidates(spec), cache=CACHE,
-                             base=base or TritonKernelsConfig(), timer=timer)
+                             base=base or KernelsConfig(), timer=timer)
 
 
 def resolve_config(spec, config, flash_attention, *, on_gpu: bool):

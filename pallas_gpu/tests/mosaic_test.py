@@ -4,6 +4,7 @@ variant lowered for CUDA (Mosaic-GPU lowers in Python, so trace and lowering err
 show up on the CPU machine)."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def _geometry(seq_q, seq_k, left, right, block_kv=64):
       batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
       seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=1, heads_kv=1,
       head_dim=64, band=band, softmax_scale=1.0, soft_cap=None, block_q=64,
-      block_kv=block_kv, stages=2, dtype="bfloat16")
+      block_kv=block_kv, num_stages=2, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("seq_q,seq_k,left,right", [
@@ -81,7 +82,7 @@ def test_persistent_schedule_covers_every_tile_once(batch, heads, seq, ctas):
       batch=batch, seq_q=seq, seq_k=seq, seq_q_padded=-(-seq // 128) * 128,
       seq_k_padded=-(-seq // 128) * 128, heads_q=heads, heads_kv=1, head_dim=64,
       band=band, softmax_scale=1.0, soft_cap=None, block_q=64, block_kv=128,
-      stages=2, dtype="bfloat16", persistent_ctas=ctas)
+      num_stages=2, dtype="bfloat16", persistent_ctas=ctas)
   assert g.num_ctas == (min(ctas, g.num_tiles) if ctas else g.num_tiles)
   seen = []
   for cta in range(g.num_ctas):
@@ -99,7 +100,7 @@ def _tail_geometry(batch, heads, seq_q, seq_k, ctas, block_kv=128, **band):
       batch=batch, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
       seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=heads, heads_kv=1,
       head_dim=128, band=Band(seq_q=seq_q, seq_k=seq_k, **band), softmax_scale=1.0,
-      soft_cap=None, block_q=64, block_kv=block_kv, stages=2, dtype="bfloat16",
+      soft_cap=None, block_q=64, block_kv=block_kv, num_stages=2, dtype="bfloat16",
       persistent_ctas=ctas, split_tail=True)
 
 
@@ -138,11 +139,11 @@ def test_split_tail_default_where_it_was_measured_to_pay():
   """On by default for D <= 64 with more than 2048 keys only (H200, 2026-11-23)."""
   s = lambda d, seq: spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=12,
                                             head_dim=d, dtype="bfloat16")
-  assert mosaic.default_config(s(64, 8192)).split_tail
-  assert mosaic.default_config(s(48, 4096)).split_tail
-  assert not mosaic.default_config(s(64, 2048)).split_tail
-  assert not mosaic.default_config(s(128, 8192)).split_tail
-  assert not mosaic.default_config(s(256, 8192)).split_tail
+  assert mosaic.default_config(s(64, 8192)).fwd.split_tail
+  assert mosaic.default_config(s(48, 4096)).fwd.split_tail
+  assert not mosaic.default_config(s(64, 2048)).fwd.split_tail
+  assert not mosaic.default_config(s(128, 8192)).fwd.split_tail
+  assert not mosaic.default_config(s(256, 8192)).fwd.split_tail
 
 
 def test_split_tail_applies_to_the_persistent_full_band_only():
@@ -215,8 +216,9 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
-    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent,
-                                 split_tail=split_tail)
+    config = mosaic.default_config(spec)
+    config = dataclasses.replace(config, fwd=dataclasses.replace(
+        config.fwd, persistent=persistent, split_tail=split_tail))
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
     static = platform.Static(config)
@@ -269,25 +271,25 @@ def test_supported_reasons():
 
 
 def test_config_validation():
-  with pytest.raises(ValueError, match="block_q"):
-    mosaic.MosaicConfig(block_q=128)
-  with pytest.raises(ValueError, match="block_kv"):
-    mosaic.MosaicConfig(block_kv=96)
-  with pytest.raises(ValueError, match="stages"):
-    mosaic.MosaicConfig(stages=1)
-  with pytest.raises(ValueError, match="dkv_stages"):
-    mosaic.MosaicConfig(dkv_stages=1)
-  with pytest.raises(ValueError, match="backward_kernel"):
-    mosaic.MosaicConfig(backward_kernel="cudnn")
-  with pytest.raises(ValueError, match="dq_block_kv"):
-    mosaic.MosaicConfig(dq_block_kv=96)
-  with pytest.raises(ValueError, match="bwd_one_launch"):
-    mosaic.MosaicConfig(bwd_one_launch=1)
-  with pytest.raises(ValueError, match="split_tail"):
-    mosaic.MosaicConfig(split_tail=None)
-  for bad in (32, 40):  # 32 once passed validation and failed inside Mosaic-GPU
-    with pytest.raises(ValueError, match="dkv_block_q"):
-      mosaic.MosaicConfig(dkv_block_q=bad)
+  """Each error names the kernel's class, the field and the value."""
+  bad = [(mosaic.MosaicForward, dict(block_q=128), "MosaicForward: block_q .* got 128"),
+         (mosaic.MosaicForward, dict(block_kv=96), "block_kv .* got 96"),
+         (mosaic.MosaicForward, dict(num_stages=1), "num_stages .* got 1"),
+         (mosaic.MosaicForward, dict(split_tail=None), "split_tail .* got None"),
+         (mosaic.MosaicForward, dict(persistent=1), "persistent .* got 1"),
+         (mosaic.MosaicDq, dict(block_kv=96), "MosaicDq: block_kv .* got 96"),
+         (mosaic.MosaicDq, dict(num_stages=1), "MosaicDq: num_stages"),
+         (mosaic.MosaicDkv, dict(num_stages=1), "MosaicDkv: num_stages"),
+         (mosaic.MosaicDkv, dict(block_kv=128), "MosaicDkv: block_kv .* got 128"),
+         # 32 once passed validation and failed inside Mosaic-GPU.
+         (mosaic.MosaicDkv, dict(block_q=32), "MosaicDkv: block_q .* got 32"),
+         (mosaic.MosaicDkv, dict(block_q=40), "MosaicDkv: block_q .* got 40"),
+         (mosaic.MosaicConfig, dict(backward_kernel="cudnn"), "backward_kernel .*cudnn"),
+         (mosaic.MosaicConfig, dict(bwd_one_launch=1), "bwd_one_launch .* got 1"),
+         (mosaic.MosaicConfig, dict(dq=mosaic.MosaicDkv()), "dq must be a MosaicDq")]
+  for cls, kw, match in bad:
+    with pytest.raises(ValueError, match=match):
+      cls(**kw)
 
 
 def test_backward_kernel_choice():
@@ -301,7 +303,8 @@ def test_backward_kernel_choice():
   assert not mosaic.uses_mosaic_backward(s(256), cfg)
   assert not mosaic.uses_mosaic_backward(
       s(64), mosaic.MosaicConfig(backward_kernel="triton"))
-  g_dq, g_dkv = mosaic.backward_geometries(s(96), mosaic.MosaicConfig(dkv_block_q=128))
+  g_dq, g_dkv = mosaic.backward_geometries(
+      s(96), mosaic.MosaicConfig(dkv=mosaic.MosaicDkv(block_q=128)))
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
   assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
@@ -342,31 +345,38 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   s = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
                              head_dim=128, dtype="bfloat16")
   assert mosaic_autotune.lookup(s) is None
+  # An entry of the flat layout cached before the per-kernel configs is a miss.
+  key = mosaic_autotune.CACHE.key_prefix + mosaic_autotune.common.shape_class(s)
+  (tmp_path / "tune.json").write_text(json.dumps({key: dict(block_kv=64,
+                                                            persistent=True)}))
+  assert mosaic_autotune.lookup(s) is None
+  assert mosaic.resolve_config(s, None) == mosaic.default_config(s)
   timed = []
 
   def run(cfg, with_grad):
-    if cfg.stages == 4:
+    if cfg.fwd.num_stages == 4:
       raise ValueError("does not fit")  # skipped, not fatal
     return (cfg, with_grad), ()
+
+  winner = mosaic.MosaicForward(block_kv=64, num_stages=3, persistent=False)
 
   def timer(fn, args):
     cfg, with_grad = fn
     timed.append(fn)
     if not with_grad:
-      return 0.5 if (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False) else 1.0
-    assert (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False)
-    return 0.7 if cfg.dkv_stages == 3 else 1.0
+      return 0.5 if cfg.fwd == winner else 1.0
+    assert cfg.fwd == winner
+    return 0.7 if cfg.dkv.num_stages == 3 else 1.0
 
   cfg = mosaic_autotune.tune(s, run, timer=timer)
-  assert (cfg.block_kv, cfg.stages, cfg.persistent, cfg.dkv_stages) == (64, 3, False, 3)
+  assert (cfg.fwd, cfg.dkv.num_stages) == (winner, 3)
   fwd, bwd = mosaic_autotune.candidates(s, mosaic.default_config(s))
   assert fwd[0] == mosaic.default_config(s)  # the default always competes
-  fwd_winner = dataclasses.replace(mosaic.default_config(s), block_kv=64, stages=3,
-                                   persistent=False)
-  assert len(timed) == sum(c.stages != 4 for c in fwd) + len(bwd(fwd_winner))
+  fwd_winner = dataclasses.replace(mosaic.default_config(s), fwd=winner)
+  assert len(timed) == sum(c.fwd.num_stages != 4 for c in fwd) + len(bwd(fwd_winner))
   assert mosaic_autotune.lookup(s) == cfg  # read back from the JSON file
   assert mosaic.resolve_config(s, None) == cfg
-  explicit = mosaic.MosaicConfig(block_kv=64, stages=2)
+  explicit = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=64))
   assert mosaic.resolve_config(s, explicit) == explicit
   other = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
                                  head_dim=64, dtype="bfloat16")
@@ -429,9 +439,10 @@ def test_split_tail_matches_unsplit_and_reference(kw):
   if kw.pop("sinks", False):
     kw["sinks"] = jax.random.normal(ks[4], (hq, 1), jnp.float32)
   spec = spec_lib.canonicalize(q, k, v, **kw)[1]
-  on = dataclasses.replace(mosaic.default_config(spec), split_tail=True)
+  base = mosaic.default_config(spec)
+  on = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, split_tail=True))
   assert mosaic_blocks.tail_plan(mosaic.geometry(spec, on))
-  off = dataclasses.replace(on, split_tail=False)
+  off = dataclasses.replace(on, fwd=dataclasses.replace(on.fwd, split_tail=False))
 
   def run(attn, q, k, v):
     def loss(q, k, v):

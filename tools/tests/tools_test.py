@@ -3,6 +3,7 @@ the CPU step-cost model (no GPU needed)."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flashjax.common.shapes import get
 
@@ -26,6 +27,20 @@ def test_pallas_triton_sweep_parses_candidates():
   assert default.split_tail  # long keys at 2 bytes split the forward's last wave
   both = pallas_triton_sweep._config("-,nofold,nosplit", q, q, q, causal=False)
   assert not both.fold_causal and not both.split_tail and both.fwd == default.fwd
+
+
+def test_mosaic_sweep_parses_candidates():
+  from tools import mosaic_sweep
+  from flashjax.pallas_gpu import mosaic
+  assert mosaic_sweep.config("-") == mosaic.MosaicConfig()
+  cfg = mosaic_sweep.config("fwd.block_kv=64,fwd.num_stages=3,fwd.persistent=0,"
+                            "dq.block_kv=128,dkv.num_stages=3,bwd_one_launch=0")
+  assert cfg == mosaic.MosaicConfig(
+      fwd=mosaic.MosaicForward(block_kv=64, num_stages=3, persistent=False),
+      dq=mosaic.MosaicDq(block_kv=128), dkv=mosaic.MosaicDkv(num_stages=3),
+      bwd_one_launch=False)
+  with pytest.raises(TypeError):
+    mosaic_sweep.config("stages=3")  # the old flat field names
 
 
 def test_sweep_rows_time_candidates_against_the_baseline(capsys):
@@ -102,7 +117,7 @@ def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
 
 def test_cpu_step_costs_counts_the_causal_schedule():
   from tools import cpu_step_costs as c
-  from flashjax.xla_cpu.config import XlaConfig
+  from flashjax.xla_cpu.config import BlockSizes, XlaConfig
   # 512x256 blocks at S = 2048: 4 q blocks x 8 kv blocks; q block i runs 2i
   # interior steps, one masked full step and one half-height step.
   assert c.causal_steps(2048) == (16, 4, 32)
@@ -110,7 +125,8 @@ def test_cpu_step_costs_counts_the_causal_schedule():
   assert c.causal_floor(2048, 2.0, 2.0) == 20 / 32
   assert c.causal_steps(4096) == (64, 8, 128)
   # Odd-sized blocks: no half-height steps.
-  full, half, total = c.causal_steps(64, XlaConfig(block_q=15, block_kv=16))
+  full, half, total = c.causal_steps(64, XlaConfig(fwd=BlockSizes(block_q=15,
+                                                                  block_kv=16)))
   assert half == 0 and 0 < full < total
 
 

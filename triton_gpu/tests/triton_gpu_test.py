@@ -169,9 +169,9 @@ def test_blocksize_environment_variables(monkeypatch):
 
 def test_config_validation():
   with pytest.raises(ValueError, match="block_q must be a power of two"):
-    plan.Launch(block_q=48, block_kv=32)
+    plan.KernelConfig(block_q=48, block_kv=32)
   with pytest.raises(ValueError, match="fp32_precision"):
-    plan.TritonKernelsConfig(fp32_precision="bf16")
+    plan.KernelsConfig(fp32_precision="bf16")
 
 
 def test_import_of_the_frontend_does_not_import_triton():
@@ -197,7 +197,7 @@ def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monk
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = _spec(seq_q=64, seq_k=64, head_dim=64, causal=True)
   assert autotune.CACHE.lookup(s) is None
-  base = plan.TritonKernelsConfig(fwd=autotune.FWD_CANDIDATES[0],
+  base = plan.KernelsConfig(fwd=autotune.FWD_CANDIDATES[0],
                                   dq=autotune.BWD_CANDIDATES[0][0],
                                   dkv=autotune.BWD_CANDIDATES[0][1])
   fwd_times = {c: t for c, t in zip(autotune.FWD_CANDIDATES, [5.0, 9.0, 2.0, 7.0, 8.0])}
