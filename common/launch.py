@@ -67,6 +67,20 @@ class KernelsConfig:
                dkv=KernelConfig(**d["dkv"]), **rest)
 
 
+def kernel_configs(*rows) -> tuple[KernelConfig, ...]:
+  """Kernel configs from ``(block_q, block_kv, num_warps, num_stages)`` rows (the
+  autotuners' candidate tables)."""
+  return tuple(KernelConfig(block_q=q, block_kv=kv, num_warps=w, num_stages=s)
+               for q, kv, w, s in rows)
+
+
+def kernel_pairs(*rows) -> tuple[tuple[KernelConfig, KernelConfig], ...]:
+  """``(dq, dkv)`` pairs from rows of one ``(block_q, block_kv, num_warps,
+  num_stages)`` tuple (both kernels) or two (dq's, dkv's)."""
+  pair = lambda row: kernel_configs(*(row if isinstance(row[0], tuple) else (row, row)))
+  return tuple(pair(row) for row in rows)
+
+
 def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:
   """Tiles no larger than the (power-of-two rounded) sequence lengths."""
   clip = lambda c: dataclasses.replace(c, block_q=min(c.block_q, tile_size(spec.seq_q)),

@@ -1,7 +1,7 @@
 """Autotuning of the Pallas-Triton tiles, with a persistent cache
 (common/autotune.py).
 
-With ``FLASHJAX_AUTOTUNE=1`` (or :func:`tune` called directly), the first call of a
+With ``FLASHJAX_AUTOTUNE=1`` (or ``TUNER.tune`` called directly), the first call of a
 shape class times each candidate forward config on random inputs of that shape,
 then each backward candidate with the winning forward, and stores the winners in a
 JSON cache keyed by device kind and shape class. Later calls, in this process or
@@ -14,43 +14,22 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import autotune as common
-from ..common.autotune import enabled, random_run, shape_class  # noqa: F401
-from .triton_plan import KernelConfig, TritonConfig
+from ..common.launch import kernel_configs, kernel_pairs
+from .triton_plan import TritonConfig
 
-FWD_CANDIDATES = (
-    KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-    KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
-    KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=2),
-    KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
-    KernelConfig(block_q=128, block_kv=64, num_warps=4, num_stages=2),
-    KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=4),
-    KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3),
-)
-BWD_CANDIDATES = (
-    (KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2),) * 2,
-    (KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2),
-     KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
-    (KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2),
-     KernelConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
-)
-
+# Rows: (block_q, block_kv, num_warps, num_stages); backward rows give the dq and
+# dkv kernels one row together or one each.
+FWD_CANDIDATES = kernel_configs(
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+    (128, 64, 4, 2), (128, 64, 8, 4), (64, 64, 4, 3))
+BWD_CANDIDATES = kernel_pairs(
+    (64, 64, 4, 2), (64, 128, 8, 2), ((128, 64, 8, 2), (64, 128, 8, 2)))
 # D > 128: q/k/v/do tiles of 256 columns leave room for narrow tiles only.
-WIDE_FWD_CANDIDATES = (
-    KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-    KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2),
-    KernelConfig(block_q=128, block_kv=32, num_warps=8, num_stages=2),
-    KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=3),
-)
-WIDE_BWD_CANDIDATES = (
-    (KernelConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),) * 2,
-    (KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-     KernelConfig(block_q=32, block_kv=64, num_warps=4, num_stages=2)),
-    (KernelConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),
-     KernelConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2)),
-    (KernelConfig(block_q=64, block_kv=64, num_warps=8, num_stages=1),) * 2,
-    (KernelConfig(block_q=128, block_kv=32, num_warps=8, num_stages=1),
-     KernelConfig(block_q=32, block_kv=128, num_warps=8, num_stages=1)),
-)
+WIDE_FWD_CANDIDATES = kernel_configs(
+    (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 3))
+WIDE_BWD_CANDIDATES = kernel_pairs(
+    (32, 32, 4, 1), ((64, 32, 4, 2), (32, 64, 4, 2)), ((64, 32, 8, 2), (32, 64, 8, 2)),
+    (64, 64, 8, 1), ((128, 32, 8, 1), (32, 128, 8, 1)))
 
 
 def candidates(spec):
@@ -60,20 +39,6 @@ def candidates(spec):
   return FWD_CANDIDATES, BWD_CANDIDATES
 
 
-CACHE = common.JsonCache("pallas_triton", dataclasses.asdict, TritonConfig.from_json)
-
-
-def cache_path() -> str:
-  return CACHE.path
-
-
-def lookup(spec) -> TritonConfig | None:
-  return CACHE.lookup(spec)
-
-
-def tune(spec, run, *, timer=common.default_timer,
-         base: TritonConfig | None = None) -> TritonConfig:
-  """Times the candidates for ``spec`` and caches the winner
-  (:func:`common.autotune.tune_kernels`)."""
-  return common.tune_kernels(spec, run, candidates=candidates(spec), cache=CACHE,
-                             base=base or TritonConfig(), timer=timer)
+TUNER = common.Tuner(
+    common.JsonCache("pallas_triton", dataclasses.asdict, TritonConfig.from_json),
+    lambda spec: common.kernel_rounds(*candidates(spec)))

@@ -20,7 +20,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..common import autotune as tuning
 from ..common import epilogue, hardware, platform, segments, vjp
 from ..common import spec as spec_lib
 from . import mosaic_autotune, pallas_triton, triton_decode
@@ -194,10 +193,9 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
 def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (mosaic_autotune.py, common/autotune.py)."""
-  return tuning.resolve(spec, config, cache=mosaic_autotune.CACHE,
-                        tune=mosaic_autotune.tune, attention=flash_attention,
-                        default=default_config(spec),
-                        may_tune=jax.default_backend() == "gpu")
+  return mosaic_autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                       default=default_config(spec),
+                                       may_tune=jax.default_backend() == "gpu")
 
 
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):

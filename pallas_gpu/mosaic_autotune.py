@@ -1,6 +1,6 @@
 """Autotuning of the Mosaic-GPU tiles, with a persistent cache (common/autotune.py).
 
-With ``FLASHJAX_AUTOTUNE=1`` (or :func:`tune` called directly) on a GPU, the first
+With ``FLASHJAX_AUTOTUNE=1`` (or ``TUNER.tune`` called directly) on a GPU, the first
 call of a shape class times the forward candidates (K/V block and pipeline depth
 for the head dim, crossed with the launch kind and the split tail) on random
 inputs of that shape, then the backward candidates (dQ and dK/dV tiles and
@@ -18,6 +18,7 @@ runs (D = 256), its tiles are resolved by that platform's own tuning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..common import autotune as common
 from . import mosaic_config
@@ -36,7 +37,7 @@ LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
           dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
 # Backward variants of the forward winner: (kernel, fields), kernel "" for the
 # config's own fields.
-BACKWARD = (("", dict()), ("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
+BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
             ("dkv", dict(num_stages=3)), ("dkv", dict(block_q=128)),
             ("", dict(bwd_one_launch=False)))
 
@@ -45,53 +46,28 @@ CACHE = common.JsonCache("pallas_mosaic_gpu", mosaic_config.to_json,
                          mosaic_config.from_json, key_prefix="mosaic|")
 
 
-def lookup(spec) -> mosaic_config.MosaicConfig | None:
-  return CACHE.lookup(spec)
-
-
-def _unique(configs):
-  out = []
-  for c in configs:
-    if c not in out:
-      out.append(c)
-  return out
-
-
-def candidates(spec, base: mosaic_config.MosaicConfig):
-  """``(forward, backward)`` candidate builders for ``spec``: forward configs
-  (``base`` first), and ``f(forward winner) -> backward configs`` (empty where the
-  Mosaic backward does not run)."""
+def forward_candidates(spec, best: mosaic_config.MosaicConfig):
+  """``best`` with its forward's tiles and launch varied."""
   d = mosaic_config.padded_head_dim(spec)
-  fwd = _unique([base] + [dataclasses.replace(base, fwd=dataclasses.replace(
-      base.fwd, **tiles, **launch)) for tiles in FORWARD[d] for launch in LAUNCH])
+  return [dataclasses.replace(best, fwd=dataclasses.replace(best.fwd, **tiles, **launch))
+          for tiles in FORWARD[d] for launch in LAUNCH]
 
-  def vary(cfg, kernel, fields):
+
+def backward_candidates(spec, best: mosaic_config.MosaicConfig):
+  """``best`` (the forward winner) with its backward kernels varied; none where
+  the Mosaic backward does not run."""
+  if not mosaic_config.uses_mosaic_backward(spec, best):
+    return []
+
+  def vary(kernel, fields):
     if not kernel:
-      return dataclasses.replace(cfg, **fields)
-    return dataclasses.replace(cfg, **{kernel: dataclasses.replace(
-        getattr(cfg, kernel), **fields)})
+      return dataclasses.replace(best, **fields)
+    part = dataclasses.replace(getattr(best, kernel), **fields)
+    return dataclasses.replace(best, **{kernel: part})
 
-  def bwd(winner):
-    if not mosaic_config.uses_mosaic_backward(spec, winner):
-      return []
-    return _unique([vary(winner, kernel, fields) for kernel, fields in BACKWARD])
-
-  return fwd, bwd
+  return [vary(kernel, fields) for kernel, fields in BACKWARD]
 
 
-def tune(spec, run, *, timer=common.default_timer,
-         base: mosaic_config.MosaicConfig | None = None) -> mosaic_config.MosaicConfig:
-  """Times the candidates for ``spec`` (``run(config, with_grad) -> (fn, args)``)
-  and caches the winner; candidates that fail to compile are skipped."""
-  base = base or mosaic_config.default_config(spec)
-
-  def go():
-    fwd, bwd = candidates(spec, base)
-    cfg = common.fastest(fwd, run, False, timer, CACHE.platform)
-    backward = bwd(cfg)
-    if backward:
-      cfg = common.fastest(backward, run, True, timer, CACHE.platform)
-    CACHE.store(spec, cfg)
-    return cfg
-
-  return common.in_fresh_thread(go)
+TUNER = common.Tuner(CACHE, lambda spec: (
+    common.Round(False, functools.partial(forward_candidates, spec)),
+    common.Round(True, functools.partial(backward_candidates, spec))))

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from ..common import spec as spec_lib
-from ..common import autotune as tuning
 from ..common import epilogue, hardware, launch, platform, vjp
 from . import autotune, triton_bwd, triton_decode, triton_fwd
 from . import triton_plan as tp
@@ -119,9 +118,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
 def resolve_config(spec, config: TritonConfig | None, interpret: bool) -> TritonConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (common/autotune.py)."""
-  return tuning.resolve(spec, config, cache=autotune.CACHE, tune=autotune.tune,
-                        attention=flash_attention, default=default_config(spec),
-                        may_tune=not interpret)
+  return autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                default=default_config(spec), may_tune=not interpret)
 
 
 def attention_from_operands(ops, spec, config: TritonConfig | None = None,

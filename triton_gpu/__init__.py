@@ -48,8 +48,11 @@ def attention_from_operands(ops, spec, config: KernelsConfig | None = None):
     raise NotImplementedError(reason)
   import jax
   from . import autotune
-  config = autotune.resolve_config(spec, config, flash_attention,
-                                   on_gpu=jax.default_backend() == "gpu")
+  # Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
+  # heuristic default.
+  config = autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                  default=default_config(spec),
+                                  may_tune=jax.default_backend() == "gpu")
   try:
     from . import attention  # imports triton and jax-triton
   except ImportError as e:  # e.g. jax-triton without a GPU jaxlib

@@ -309,16 +309,17 @@ def test_frontend_runs_it_in_interpret_mode():
 
 def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   import functools
+  from flashjax.common import autotune as common_autotune
   from flashjax.pallas_gpu import autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=32,
                          dtype="float32", causal=True)
-  assert autotune.lookup(s) is None
+  assert autotune.TUNER.lookup(s) is None
   fwd_times = iter([5.0, 3.0, 9.0, 4.0, 7.0, 8.0])
   bwd_times = iter([2.0, 1.0, 3.0])
   timer = lambda fn, args: next(bwd_times if len(args) == 3 and getattr(
       fn, "_grad", False) else fwd_times)
-  run = autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
+  run = common_autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
                                                  interpret=True))
 
   def marked(cfg, with_grad):
@@ -330,14 +331,14 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   # A base equal to the first candidates keeps the candidate order as listed.
   base = TritonConfig(fwd=autotune.FWD_CANDIDATES[0], dq=autotune.BWD_CANDIDATES[0][0],
                       dkv=autotune.BWD_CANDIDATES[0][1])
-  cfg = autotune.tune(s, marked, timer=timer, base=base)
+  cfg = autotune.TUNER.tune(s, marked, timer=timer, base=base)
   assert cfg.fwd == autotune.FWD_CANDIDATES[1]
   assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
-  assert autotune.lookup(s) == cfg  # read back from the JSON file
+  assert autotune.TUNER.lookup(s) == cfg  # read back from the JSON file
   assert pallas_triton.resolve_config(s, None, interpret=True) == cfg
   other = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=64,
                              dtype="float32", causal=True)
-  assert autotune.shape_class(other) != autotune.shape_class(s)
+  assert common_autotune.shape_class(other) != common_autotune.shape_class(s)
   assert pallas_triton.resolve_config(other, None, interpret=True) == (
       pallas_triton.default_config(other))
 
@@ -358,7 +359,7 @@ def test_autotune_candidates_follow_head_dim_and_include_the_default():
     raise RuntimeError("does not fit")  # every candidate fails: tune must say so
 
   with pytest.raises(NotImplementedError, match="no candidate ran"):
-    autotune.tune(wide, run, timer=lambda fn, args: 1.0, base=base)
+    autotune.TUNER.tune(wide, run, timer=lambda fn, args: 1.0, base=base)
   assert seen[0] == (False, base)  # the default is timed first
 
 
