@@ -234,7 +234,7 @@ def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
   monkeypatch.setattr(registry, "PLATFORMS", {
       **registry.PLATFORMS,
       "triton": registry.Platform("triton", "triton_gpu", ("cpu",)),
-      "pallas-triton": registry.Platform("pallas-triton", "pallas_gpu.pallas_triton",
+      "pallas-triton": registry.Platform("pallas-triton", "pallas_gpu.triton.pallas_triton",
                                          ("cpu",))})
   registry._logged.clear()
   q, k, v = _qkv(seed=10)

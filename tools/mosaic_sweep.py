@@ -20,7 +20,7 @@ from tools import sweeps
 from flashjax.common import shapes
 from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import mosaic
-from flashjax.pallas_gpu import mosaic_config
+from flashjax.pallas_gpu.mosaic import config as mosaic_config
 
 DEFAULT = ["-", "fwd.persistent=0", "fwd.persistent=1",
            "fwd.block_kv=64,fwd.num_stages=3"]

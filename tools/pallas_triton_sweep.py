@@ -16,8 +16,8 @@ import sys
 from tools import sweeps
 from flashjax.benchmarks.impls import _jax_pallas_triton
 from flashjax.common.spec import canonicalize
-from flashjax.pallas_gpu import pallas_triton
-from flashjax.pallas_gpu.triton_plan import KernelConfig
+from flashjax.pallas_gpu.triton import pallas_triton
+from flashjax.pallas_gpu.triton.plan import KernelConfig
 
 DEFAULT = ["-", "128,64,8,3", "128,64,8,4"]
 

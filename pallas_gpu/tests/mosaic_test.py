@@ -14,7 +14,8 @@ import pytest
 from flashjax.common import (autotune, conformance, hardware, platform, spec as spec_lib,
                              tolerances)
 from flashjax.common.mask import Band
-from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
+from flashjax.pallas_gpu.mosaic import blocks as mosaic_blocks, mosaic
+from flashjax.pallas_gpu.triton import pallas_triton
 
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
@@ -149,7 +150,7 @@ def test_split_tail_default_where_it_was_measured_to_pay():
 
 def test_split_tail_applies_to_the_persistent_full_band_only():
   g = _tail_geometry(2, 16, 8192, 8192, 132)
-  assert mosaic_blocks.tail_plan(g) == mosaic_blocks.triton_tail.Tail(1980, 68, 5)
+  assert mosaic_blocks.tail_plan(g) == mosaic_blocks.split_tail.Tail(1980, 68, 5)
   assert mosaic_blocks.num_units(g) == 1980 + 68 * 5
   for other in (dataclasses.replace(g, split_tail=False),
                 dataclasses.replace(g, persistent_ctas=0),
@@ -228,7 +229,7 @@ def test_every_variant_lowers_for_cuda(variant):
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-  # The split tail's parts are merged by triton_tail's (Pallas-Triton) kernel.
+  # The split tail's parts are merged by split_tail's (Pallas-Triton) kernel.
   assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
 
   def bwd(q, k, v, *values):
@@ -341,7 +342,7 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   """A fake run and timer (no GPU needed): the fastest forward, then the fastest
   backward with that forward, is cached per shape class and read back by
   resolve_config; candidates that fail are skipped."""
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
                              head_dim=128, dtype="bfloat16")
@@ -389,7 +390,7 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
 
 
 def test_autotune_candidates_are_valid_per_head_dim():
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   for d in (64, 96, 128, 256):
     s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=1024, heads_q=4, head_dim=d,
                                dtype="bfloat16")
@@ -407,7 +408,7 @@ def test_autotune_on_gpu(tmp_path, monkeypatch):
   candidates on the device and caches a valid winner; the tuned call matches the
   reference, and a second call reads the cache."""
   from flashjax.common import reference
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE", "1")
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   ks = jax.random.split(jax.random.key(4), 3)

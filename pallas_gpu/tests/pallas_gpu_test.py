@@ -11,8 +11,9 @@ import pytest
 import flashjax
 from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
                              spec, tolerances)
-from flashjax.pallas_gpu import pallas_triton, triton_tail
-from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
+from flashjax.pallas_gpu import split_tail
+from flashjax.pallas_gpu.triton import pallas_triton
+from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig
 
 ON_GPU = jax.default_backend() == "gpu"
 # Paired (folded) causal forward programs too: the small-tile suite runs every
@@ -98,7 +99,7 @@ def test_folded_causal_forward_on_gpu(name):
 
 
 def test_fold_applies_to_causal_bands_only():
-  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd, plan as triton_plan
   make = lambda **kw: spec.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
                                          head_dim=64, **kw)
   plan = lambda s, bq=32: triton_plan.Plan(s, bq, 16, bq, 16)
@@ -150,29 +151,29 @@ def test_config_validation():
     TritonConfig(tail_slots=-1)
 
 
-# -- the forward's last wave split along the keys (triton_tail.py) -----------------
+# -- the forward's last wave split along the keys (split_tail.py) ------------------
 
 def test_split_tail_plan():
   # B2 S8k H16 with 128-row programs, one per SM of an H100/H200: the 68 programs
   # of the 16th wave run as five key ranges each (three rounds of a fifth).
-  tail = triton_tail.plan(2048, 132, 64)
+  tail = split_tail.plan(2048, 132, 64)
   assert (tail.full, tail.count, tail.parts, tail.units) == (1980, 68, 5, 2320)
-  assert triton_tail.plan(200, 132, 64) is None  # under two waves
-  assert triton_tail.plan(264, 132, 64) is None  # whole waves
-  assert triton_tail.plan(300, 132, 1) is None  # one key tile: nothing to split
+  assert split_tail.plan(200, 132, 64) is None  # under two waves
+  assert split_tail.plan(264, 132, 64) is None  # whole waves
+  assert split_tail.plan(300, 132, 1) is None  # one key tile: nothing to split
   # A tail of one program above 2 waves: as many parts as tiles, up to 8.
-  assert triton_tail.plan(265, 132, 3).parts == 3
-  assert triton_tail.plan(265, 132, 64).parts == triton_tail.MAX_PARTS
+  assert split_tail.plan(265, 132, 3).parts == 3
+  assert split_tail.plan(265, 132, 64).parts == split_tail.MAX_PARTS
   # Nearly full last waves do not pay: 130 programs in two parts take two rounds.
-  assert triton_tail.plan(394, 132, 64) is None
+  assert split_tail.plan(394, 132, 64) is None
   lo, hi = 3, 17
-  cuts = [triton_tail.key_range(lo, hi, p, 5) for p in range(5)]
+  cuts = [split_tail.key_range(lo, hi, p, 5) for p in range(5)]
   assert cuts[0][0] == lo and cuts[-1][1] == hi
   assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
 
 
 def test_split_tail_applies_to_equal_programs_only():
-  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd, plan as triton_plan
   make = lambda **kw: spec.abstract_spec(batch=2, seq_q=512, seq_k=512, heads_q=3,
                                          head_dim=64, **kw)
   plan = lambda s: triton_plan.Plan(s, 32, 16, 32, 16)
@@ -213,7 +214,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   differs), with the features that index by key tile (bias columns, mask,
   segment ids), a soft cap, grouped heads and padded keys; with 16 merge rows,
   each 32-row tail block is merged by two programs."""
-  monkeypatch.setattr(triton_tail, "COMBINE_ROWS", combine_rows)
+  monkeypatch.setattr(split_tail, "COMBINE_ROWS", combine_rows)
   ks = jax.random.split(jax.random.key(7), 5)
   sq, sk = 200, 237  # 7 q blocks of 32, 15 key tiles of 16 (padded)
   q = jax.random.normal(ks[0], (2, sq, 4, 48), jnp.float32).astype(dtype)
@@ -278,7 +279,7 @@ SPLIT_GPU_CASES = {
 @pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
 def test_split_tail_forward_on_gpu(name):
   from flashjax.common import hardware
-  from flashjax.pallas_gpu import triton_fwd
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd
   case = SPLIT_GPU_CASES[name]
   s = spec.abstract_spec(batch=case.batch, seq_q=case.seq_q, seq_k=case.seq_k,
                          heads_q=case.heads_q, heads_kv=case.heads_kv,
@@ -310,7 +311,7 @@ def test_frontend_runs_it_in_interpret_mode():
 def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   import functools
   from flashjax.common import autotune as common_autotune
-  from flashjax.pallas_gpu import autotune
+  from flashjax.pallas_gpu.triton import autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=32,
                          dtype="float32", causal=True)
@@ -344,7 +345,7 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
 
 
 def test_autotune_candidates_follow_head_dim_and_include_the_default():
-  from flashjax.pallas_gpu import autotune
+  from flashjax.pallas_gpu.triton import autotune
   wide = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=256)
   narrow = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=128)
   assert autotune.candidates(wide) == (autotune.WIDE_FWD_CANDIDATES,
@@ -403,7 +404,7 @@ def test_bias_and_mask_tiles_count_in_the_shared_memory_fit():
 def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
   """The inline ex2.approx.ftz PTX is for compiled kernels; the interpreter (which
   has no PTX) gets jnp.exp2. The compiled path is checked by the GPU class."""
-  from flashjax.pallas_gpu import triton_plan
+  from flashjax.pallas_gpu.triton import plan as triton_plan
   seen = []
   make = triton_plan.make_plans
   monkeypatch.setattr(triton_plan, "make_plans", lambda *a, **kw: (
@@ -422,7 +423,7 @@ def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
 
 
 def test_d128_forward_tiles_follow_the_key_length():
-  from flashjax.pallas_gpu import autotune
+  from flashjax.pallas_gpu.triton import autotune
   make = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
                                       head_dim=128, dtype="bfloat16")
   short, long = (pallas_triton.default_config(make(s)).fwd for s in (2048, 8192))
@@ -514,7 +515,7 @@ def test_default_tiles_fit_every_generation(dtype):
 
 
 class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
-  """The Pallas-Triton KV-cache kernel (pallas_gpu/triton_kvcache.py) in interpret
+  """The Pallas-Triton KV-cache kernel (pallas_gpu/triton/kvcache.py) in interpret
   mode where it applies; the rest (pages under 16 positions, other head dims) runs
   the xla path through the same dispatch."""
 

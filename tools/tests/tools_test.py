@@ -11,7 +11,7 @@ from flashjax.common.shapes import get
 def test_pallas_triton_sweep_parses_candidates():
   import jax
   from tools import pallas_triton_sweep
-  from flashjax.pallas_gpu import pallas_triton
+  from flashjax.pallas_gpu.triton import pallas_triton
   q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
   cfg = pallas_triton_sweep._config("128,64,8,4", q, q, q, causal=True)
   assert (cfg.fwd.block_q, cfg.fwd.block_kv, cfg.fwd.num_warps,

@@ -192,7 +192,7 @@ def test_seed_environment_variables_on_gpu(tmp_path):
 
 
 def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monkeypatch):
-  from flashjax.pallas_gpu import autotune as pt_autotune
+  from flashjax.pallas_gpu.triton import autotune as pt_autotune
   from flashjax.triton_gpu import autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = _spec(seq_q=64, seq_k=64, head_dim=64, causal=True)

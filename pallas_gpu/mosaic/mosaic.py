@@ -1,7 +1,7 @@
 """Entry point of the Pallas Mosaic-GPU platform (Hopper).
 
-Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Mosaic-GPU
-dQ and dK/dV kernels of mosaic_bwd.py for head dims up to 128 (at 256 the dK and
+Forward: the warp-specialised kernel of fwd.py. Backward: the Mosaic-GPU
+dQ and dK/dV kernels of bwd.py for head dims up to 128 (at 256 the dK and
 dV register accumulators do not fit), Pallas-Triton's backward above that; both
 take this forward's output and lse. Segment ids narrow every kernel's walk to the
 blocks the ids leave visible (common/segments.py). A bias or dense mask over
@@ -20,11 +20,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..common import epilogue, hardware, platform, segments, vjp
-from ..common import spec as spec_lib
-from . import mosaic_autotune, pallas_triton, triton_decode
-from .mosaic_blocks import Geometry
-from .mosaic_config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
+from ...common import epilogue, hardware, platform, segments, vjp
+from ...common import spec as spec_lib
+from ..triton import decode, pallas_triton
+from . import autotune
+from .blocks import Geometry
+from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
                             MosaicDkv, MosaicDq, MosaicForward, default_config,
                             has_additive_tile, padded_head_dim, uses_mosaic_backward)
 
@@ -145,13 +146,13 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
 
 def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
-  # over the SMs instead (triton_decode.py).
-  if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, None,
+  # over the SMs instead (triton/decode.py).
+  if decode.applies(spec):
+    return decode.forward(ops, spec, None,
                                  hardware.num_sms(), False)
-  from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
+  from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
-  out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
+  out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                                 _pad(ops.k, g.seq_k_padded, g.head_dim),
                                 _pad(ops.v, g.seq_k_padded, g.head_dim), g,
                                 segment_operands(ops, g), tile)
@@ -162,21 +163,21 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if not uses_mosaic_backward(spec, static.config):
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
                                   out, lse, do, dlse)
-  from . import mosaic_bwd  # imports Mosaic-GPU lowering only when used
+  from . import bwd  # imports Mosaic-GPU lowering only when used
   g_dq, g_dkv = backward_geometries(spec, static.config)
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
   row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
-  stats = jnp.stack([lse_rows * mosaic_bwd.LOG2E, delta_rows], axis=2)
+  stats = jnp.stack([lse_rows * bwd.LOG2E, delta_rows], axis=2)
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
-    dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
+    dq, dk, dv = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
   else:
-    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
-    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
+    dq = bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
+    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
@@ -192,8 +193,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
 
 def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
-  heuristic (mosaic_autotune.py, common/autotune.py)."""
-  return mosaic_autotune.TUNER.resolve(spec, config, attention=flash_attention,
+  heuristic (autotune.py, common/autotune.py)."""
+  return autotune.TUNER.resolve(spec, config, attention=flash_attention,
                                        default=default_config(spec),
                                        may_tune=jax.default_backend() == "gpu")
 

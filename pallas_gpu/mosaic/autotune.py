@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..common import autotune as common
-from . import mosaic_config
+from ...common import autotune as common
+from .config import (MosaicConfig, from_json, padded_head_dim, to_json,
+                     uses_mosaic_backward)
 
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
 # shared memory (D = 256 leaves room for 64-key blocks in two stages only).
@@ -32,7 +33,7 @@ FORWARD = {
           dict(block_kv=64, num_stages=4), dict(block_kv=64, num_stages=2)),
     256: (dict(block_kv=64, num_stages=2),),
 }
-# The split tail applies to persistent full-band launches only (mosaic_blocks).
+# The split tail applies to persistent full-band launches only (blocks.py).
 LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
           dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
 # Backward variants of the forward winner: (kernel, fields), kernel "" for the
@@ -42,21 +43,21 @@ BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
             ("", dict(bwd_one_launch=False)))
 
 
-CACHE = common.JsonCache("pallas_mosaic_gpu", mosaic_config.to_json,
-                         mosaic_config.from_json, key_prefix="mosaic|")
+CACHE = common.JsonCache("pallas_mosaic_gpu", to_json,
+                         from_json, key_prefix="mosaic|")
 
 
-def forward_candidates(spec, best: mosaic_config.MosaicConfig):
+def forward_candidates(spec, best: MosaicConfig):
   """``best`` with its forward's tiles and launch varied."""
-  d = mosaic_config.padded_head_dim(spec)
+  d = padded_head_dim(spec)
   return [dataclasses.replace(best, fwd=dataclasses.replace(best.fwd, **tiles, **launch))
           for tiles in FORWARD[d] for launch in LAUNCH]
 
 
-def backward_candidates(spec, best: mosaic_config.MosaicConfig):
+def backward_candidates(spec, best: MosaicConfig):
   """``best`` (the forward winner) with its backward kernels varied; none where
   the Mosaic backward does not run."""
-  if not mosaic_config.uses_mosaic_backward(spec, best):
+  if not uses_mosaic_backward(spec, best):
     return []
 
   def vary(kernel, fields):

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import dropout as dropout_lib
-from ..common import segments
-from ..common import blocking
-from ..common.blocking import LOG2E, pad_axis, pad_broadcastable
-from ..common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
-from ..common.mask import tile_allowed
-from ..common.spec import AttentionSpec, Operands
+from ...common import dropout as dropout_lib
+from ...common import segments
+from ...common import blocking
+from ...common.blocking import LOG2E, pad_axis, pad_broadcastable
+from ...common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
+from ...common.mask import tile_allowed
+from ...common.spec import AttentionSpec, Operands
 
 
 
@@ -33,7 +33,7 @@ class TritonConfig(KernelsConfig):
 
   ``split_tail``: a non-causal forward (full band, no dropout) whose programs fill
   two or more waves runs each program of the last, partial wave as a few key-range
-  parts, combined after the launch (triton_tail.py). ``tail_slots``: programs
+  parts, combined after the launch (split_tail.py). ``tail_slots``: programs
   that run at once (0: one per SM of the default device, which is what the long-key
   D <= 128 tiles of default_config occupy).
   """

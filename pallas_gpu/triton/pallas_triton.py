@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..common import spec as spec_lib
-from ..common import epilogue, hardware, launch, platform, vjp
-from . import autotune, triton_bwd, triton_decode, triton_fwd
-from . import triton_plan as tp
-from .triton_plan import KernelConfig, TritonConfig
+from ...common import spec as spec_lib
+from ...common import epilogue, hardware, launch, platform, vjp
+from . import autotune, bwd, decode, fwd
+from . import plan as tp
+from .plan import KernelConfig, TritonConfig
 
 NAME = "pallas-triton"
 CONFIG = TritonConfig
@@ -79,14 +79,14 @@ config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
 def forward(ops, spec, static: platform.Static):
-  if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, None,
+  if decode.applies(spec):
+    return decode.forward(ops, spec, None,
                                  hardware.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
   slots = (cfg.tail_slots or hardware.num_sms()) if cfg.split_tail else 0
-  out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
+  out, lse = fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
                                 cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
@@ -99,7 +99,7 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   do_k = jnp.pad(do.astype(ops.q.dtype), ((0, 0), (0, sqp - spec.seq_q), (0, 0),
                                           (0, plans["dq"].head_dim_v_padded -
                                            spec.head_dim_v)))
-  dq, dk, dv, ds = triton_bwd.backward(
+  dq, dk, dv, ds = bwd.backward(
       x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
       lse_rows, delta_rows, static.interpret,
       tp.visible_blocks(ops, plans["dq"]),

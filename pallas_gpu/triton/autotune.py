@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import autotune as common
-from ..common.launch import kernel_configs, kernel_pairs
-from .triton_plan import TritonConfig
+from ...common import autotune as common
+from ...common.launch import kernel_configs, kernel_pairs
+from .plan import TritonConfig
 
 # Rows: (block_q, block_kv, num_warps, num_stages); backward rows give the dq and
 # dkv kernels one row together or one each.

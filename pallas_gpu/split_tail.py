@@ -15,7 +15,7 @@ place. ``k`` is the split that minimises the modelled time of the tail,
 ``ceil(T k / S)`` rounds of ``1 / k + overhead`` program-times each, and no split
 is made where none beats a plain wave.
 
-The Mosaic-GPU persistent forward (mosaic_fwd.py) uses the same plan and this
+The Mosaic-GPU persistent forward (mosaic/fwd.py) uses the same plan and this
 combine kernel for its last round of tiles; its parts store the normalised output
 (as a high and a low half in the input dtype) and ``m`` = lse in log2 units, with
 no ``l``: the same weights merge them.
