@@ -4,7 +4,8 @@ entry ``triton/pallas_triton.py``: the whole contract, forward and backward) and
 forward and its own dQ and dK/dV backward kernels up to D = 128; wider heads, or
 ``MosaicConfig(backward_kernel="triton")``, take the Pallas-Triton backward).
 What both forwards share lives here: the split of the last wave along the keys
-and the kernel that merges its parts (``split_tail.py``).
+(``split_tail.py``, no kernel) and the kernel that merges its parts
+(``tail_merge.py``).
 
 Submodules are imported when used; the configs and ``pallas_triton`` (the
 Pallas-Triton entry) are reachable from this package too, imported on first

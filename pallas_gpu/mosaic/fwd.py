@@ -19,7 +19,7 @@ tiles).
 Split tail (``MosaicConfig.split_tail``, full band, persistent): the last,
 partial round of q tiles runs as key-range parts (blocks.unit_walk); a
 part stores its normalised output as a high and a low half in the input dtype
-and its lse in log2 units, and split_tail.combine merges each tile's parts into
+and its lse in log2 units, and tail_merge.combine merges each tile's parts into
 the output and lse in place.
 
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
@@ -51,7 +51,7 @@ from jax import lax
 from ...common import compat
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
-from .. import split_tail
+from .. import tail_merge
 from . import pipeline
 from .blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                             unit_walk)
@@ -278,7 +278,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           # A tail part: its normalised output as a high and a low half in the
           # input dtype (an fp32 staging buffer does not fit; the halves carry
           # ~16 bits) and its lse in log2 units, both through the usual staging
-          # buffers and TMA, for split_tail.combine to merge with the tile's
+          # buffers and TMA, for tail_merge.combine to merge with the tile's
           # other parts. (Storing fp32 straight from registers to global memory
           # cost ~5-9 us per part on an H200, 2026-11-23.)
           o_hi, o_lo, lse_part = parts
@@ -404,5 +404,5 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
     return tile, b_idx, h
 
   # Normalised parts (no l): each weighs 2^(lse - max lse).
-  return split_tail.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
+  return tail_merge.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
                              2 * bq, interpret=False)

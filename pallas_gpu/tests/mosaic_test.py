@@ -229,7 +229,7 @@ def test_every_variant_lowers_for_cuda(variant):
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-  # The split tail's parts are merged by split_tail's (Pallas-Triton) kernel.
+  # The split tail's parts are merged by tail_merge's (Pallas-Triton) kernel.
   assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
 
   def bwd(q, k, v, *values):

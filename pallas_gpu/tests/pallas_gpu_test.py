@@ -11,7 +11,7 @@ import pytest
 import flashjax
 from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
                              spec, tolerances)
-from flashjax.pallas_gpu import split_tail
+from flashjax.pallas_gpu import split_tail, tail_merge
 from flashjax.pallas_gpu.triton import pallas_triton
 from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig
 
@@ -214,7 +214,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   differs), with the features that index by key tile (bias columns, mask,
   segment ids), a soft cap, grouped heads and padded keys; with 16 merge rows,
   each 32-row tail block is merged by two programs."""
-  monkeypatch.setattr(split_tail, "COMBINE_ROWS", combine_rows)
+  monkeypatch.setattr(tail_merge, "COMBINE_ROWS", combine_rows)
   ks = jax.random.split(jax.random.key(7), 5)
   sq, sk = 200, 237  # 7 q blocks of 32, 15 key tiles of 16 (padded)
   q = jax.random.normal(ks[0], (2, sq, 4, 48), jnp.float32).astype(dtype)

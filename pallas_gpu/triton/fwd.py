@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...common.blocking import LN2, LOG2E
 from . import plan as tp
-from .. import split_tail
+from .. import split_tail, tail_merge
 
 
 def tiles(r: dict, plan: tp.Plan, i, j, bq: int, bk: int):
@@ -258,5 +258,5 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
   )(*(a for _, _, a in specs))
   if tail is None:
     return outs
-  return split_tail.combine(outs[0], outs[1], outs[2:], tail,
+  return tail_merge.combine(outs[0], outs[1], outs[2:], tail,
                              functools.partial(_program_coords, plan), bq, interpret)
