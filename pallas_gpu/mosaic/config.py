@@ -20,7 +20,7 @@ def _check_stages(cls, num_stages):
 
 
 def _check_in(cls, name, value, allowed, why=""):
-  if value not in allowed or isinstance(value, bool):
+  if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
     raise ValueError(f"{cls.__name__}: {name} must be one of {allowed}{why}, got "
                      f"{value!r}")
 
