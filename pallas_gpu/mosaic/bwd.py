@@ -119,7 +119,7 @@ def _dkv_program(g: Geometry, dtype):
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
         k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
-                                        plgpu.Layout.WGMMA.reduce(1))
+                                 plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
 
@@ -127,7 +127,7 @@ def _dkv_program(g: Geometry, dtype):
         if not g.segments:
           return None
         return pipeline.slot_ids(qid_bar, qid_smem, slot,
-                                        plgpu.Layout.WGMMA.reduce(0), load)
+                                 plgpu.Layout.WGMMA.reduce(0), load)
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
@@ -304,7 +304,7 @@ def _dq_program(g: Geometry, dtype):
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
         q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
-                                        plgpu.Layout.WGMMA.reduce(1))
+                                 plgpu.Layout.WGMMA.reduce(1))
       for i in range(3):
         plgpu.barrier_wait(q_bar.at[3 * wg + i])
 
@@ -312,7 +312,7 @@ def _dq_program(g: Geometry, dtype):
         if not g.segments:
           return None
         return pipeline.slot_ids(kid_bar, kid_smem, slot,
-                                        plgpu.Layout.WGMMA.reduce(0), load)
+                                 plgpu.Layout.WGMMA.reduce(0), load)
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])

@@ -138,7 +138,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         plgpu.barrier_wait(q_bar.at[wg])
         if g.segments:
           q_ids = pipeline.slot_ids(qid_bar, qid_smem, wg,
-                                           plgpu.Layout.WGMMA.reduce(1))
+                                    plgpu.Layout.WGMMA.reduce(1))
 
         def bias_tile(slot, load=True):
           """This warpgroup's rows of the slot's additive tile (fp32 logits units
@@ -155,7 +155,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           if not g.segments:
             return None
           return pipeline.slot_ids(kid_bar, kid_smem, slot,
-                                          plgpu.Layout.WGMMA.reduce(0), load)
+                                   plgpu.Layout.WGMMA.reduce(0), load)
 
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
@@ -405,4 +405,4 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
 
   # Normalised parts (no l): each weighs 2^(lse - max lse).
   return tail_merge.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
-                             2 * bq, interpret=False)
+                            2 * bq, interpret=False)

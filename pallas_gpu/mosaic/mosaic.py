@@ -26,8 +26,8 @@ from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry
 from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
-                            MosaicDkv, MosaicDq, MosaicForward, default_config,
-                            has_additive_tile, padded_head_dim, uses_mosaic_backward)
+                     MosaicDkv, MosaicDq, MosaicForward, default_config,
+                     has_additive_tile, padded_head_dim, uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
 CONFIG = MosaicConfig
@@ -149,13 +149,13 @@ def forward(ops, spec, static: platform.Static):
   # over the SMs instead (triton/decode.py).
   if decode.applies(spec):
     return decode.forward(ops, spec, None,
-                                 hardware.num_sms(), False)
+                          hardware.num_sms(), False)
   from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
   out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
-                                _pad(ops.k, g.seq_k_padded, g.head_dim),
-                                _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                                segment_operands(ops, g), tile)
+                         _pad(ops.k, g.seq_k_padded, g.head_dim),
+                         _pad(ops.v, g.seq_k_padded, g.head_dim), g,
+                         segment_operands(ops, g), tile)
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 

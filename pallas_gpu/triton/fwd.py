@@ -259,4 +259,4 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
   if tail is None:
     return outs
   return tail_merge.combine(outs[0], outs[1], outs[2:], tail,
-                             functools.partial(_program_coords, plan), bq, interpret)
+                            functools.partial(_program_coords, plan), bq, interpret)

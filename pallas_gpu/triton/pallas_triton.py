@@ -81,13 +81,13 @@ config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 def forward(ops, spec, static: platform.Static):
   if decode.applies(spec):
     return decode.forward(ops, spec, None,
-                                 hardware.num_sms(), static.interpret)
+                          hardware.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
   slots = (cfg.tail_slots or hardware.num_sms()) if cfg.split_tail else 0
   out, lse = fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
-                                cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
+                         cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
