@@ -23,6 +23,7 @@ _LAZY = {
     "MosaicDq": (".mosaic.config", "MosaicDq"),
     "MosaicDkv": (".mosaic.config", "MosaicDkv"),
     "TritonConfig": (".triton.plan", "TritonConfig"),
+    "TritonForward": (".triton.plan", "TritonForward"),
     "KernelConfig": (".triton.plan", "KernelConfig"),
     "DecodeConfig": (".triton.decode", "DecodeConfig"),
 }

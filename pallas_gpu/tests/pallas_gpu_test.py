@@ -13,14 +13,23 @@ from flashjax.common import (conformance, conformance_kvcache, conformance_packe
                              spec, tolerances)
 from flashjax.pallas_gpu import split_tail, tail_merge
 from flashjax.pallas_gpu.triton import pallas_triton
-from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig
+from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig, TritonForward
 
 ON_GPU = jax.default_backend() == "gpu"
 # Paired (folded) causal forward programs too: the small-tile suite runs every
 # causal case through that launch, with odd and even q-block counts.
-SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
+SMALL = TritonConfig(fwd=TritonForward(block_q=32, block_kv=16, fold_causal=True),
                      dq=KernelConfig(block_q=16, block_kv=32),
-                     dkv=KernelConfig(block_q=32, block_kv=16), fold_causal=True)
+                     dkv=KernelConfig(block_q=32, block_kv=16))
+
+
+def with_forward(cfg, **fields):
+  """``cfg`` with its forward's tiles or launch flags replaced."""
+  return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, **fields))
+
+
+def tiles(c):
+  return c.block_q, c.block_kv, c.num_warps, c.num_stages
 
 
 class TestPallasTritonInterpret(conformance.ConformanceSuite):
@@ -61,12 +70,12 @@ class _FoldedLongTiles(conformance.ConformanceSuite):
 
   CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
                                      name="pallas-triton[gpu,folded]")
-  CONFIG = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
-                                         num_stages=3),
+  CONFIG = TritonConfig(fwd=TritonForward(block_q=128, block_kv=128, num_warps=8,
+                                          num_stages=3, fold_causal=True),
                         dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                         num_stages=2),
                         dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
-                                         num_stages=2), fold_causal=True)
+                                         num_stages=2))
 
   def attention(self, q, k, v, **kwargs):
     from flashjax.common import launch
@@ -110,8 +119,8 @@ def test_fold_applies_to_causal_bands_only():
   assert not triton_fwd.folds(plan(make(causal=True), bq=256), True)  # one block
   d128 = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
                                       head_dim=128, dtype="bfloat16", causal=True)
-  assert pallas_triton.default_config(d128(8192)).fold_causal
-  assert not pallas_triton.default_config(d128(2048)).fold_causal
+  assert pallas_triton.default_config(d128(8192)).fwd.fold_causal
+  assert not pallas_triton.default_config(d128(2048)).fwd.fold_causal
 
 
 @pytest.mark.parametrize("seq", [160, 192])  # 5 and 6 q blocks of 32
@@ -126,7 +135,7 @@ def test_folded_forward_equals_one_program_per_block(seq):
       q, k, v, causal=True, bias=bias, segment_ids=(ids, ids), dropout_rate=0.2,
       dropout_seed=jnp.int32(3), return_lse=True, interpret=True, config=cfg)
   folded = run(SMALL)
-  plain = run(dataclasses.replace(SMALL, fold_causal=False))
+  plain = run(with_forward(SMALL, fold_causal=False))
   for a, b in zip(folded, plain):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -145,10 +154,17 @@ def test_config_validation():
     KernelConfig(block_q=48, block_kv=32)
   with pytest.raises(ValueError, match="num_warps"):
     KernelConfig(block_q=32, block_kv=32, num_warps=3)
-  with pytest.raises(ValueError, match="split_tail"):
-    TritonConfig(split_tail=1)
-  with pytest.raises(ValueError, match="tail_slots"):
-    TritonConfig(tail_slots=-1)
+  fwd = dict(block_q=32, block_kv=32)
+  with pytest.raises(ValueError, match="split_tail must be a bool, got 1"):
+    TritonForward(split_tail=1, **fwd)
+  with pytest.raises(ValueError, match="fold_causal must be a bool, got None"):
+    TritonForward(fold_causal=None, **fwd)
+  with pytest.raises(ValueError, match="tail_slots must be an int >= 0, got -1"):
+    TritonForward(tail_slots=-1, **fwd)
+  with pytest.raises(ValueError, match="fwd must be a TritonForward"):
+    TritonConfig(fwd=KernelConfig(**fwd))
+  # The cache's JSON form round-trips, forward class included.
+  assert TritonConfig.from_json(dataclasses.asdict(SMALL)) == SMALL
 
 
 # -- the forward's last wave split along the keys (split_tail.py) ------------------
@@ -184,7 +200,7 @@ def test_split_tail_applies_to_equal_programs_only():
   assert triton_fwd.splits_tail(plan(make(dropout_rate=0.1)), False, 5) is None
   d128 = lambda s, **kw: pallas_triton.default_config(spec.abstract_spec(
       batch=1, seq_q=s, seq_k=s, heads_q=2, head_dim=128, dtype="bfloat16", **kw))
-  assert d128(8192).split_tail and not d128(2048).split_tail
+  assert d128(8192).fwd.split_tail and not d128(2048).fwd.split_tail
 
 
 def test_split_tail_lowers_for_cuda():
@@ -203,7 +219,7 @@ def test_split_tail_lowers_for_cuda():
   assert "tensor<68x5x128x128xf32>" in text
 
 
-SPLIT = dataclasses.replace(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
+SPLIT = with_forward(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
 
 
 @pytest.mark.parametrize("dtype,combine_rows", [("float32", 32), ("bfloat16", 32),
@@ -227,7 +243,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   run = lambda cfg: pallas_triton.flash_attention(
       q, k, v, bias=bias, mask=mask, segment_ids=(ids_q, ids_k), logits_soft_cap=30.0,
       return_lse=True, interpret=True, config=cfg)
-  split, whole = run(SPLIT), run(dataclasses.replace(SPLIT, split_tail=False))
+  split, whole = run(SPLIT), run(with_forward(SPLIT, split_tail=False))
   for a, b in zip(split, whole):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(a).all() and np.abs(b).max() > 0
@@ -286,7 +302,7 @@ def test_split_tail_forward_on_gpu(name):
                          head_dim=case.head_dim, dtype=case.dtype)
   cfg = pallas_triton.default_config(s)
   plan = pallas_triton.tp.make_plans(s, cfg)["fwd"]
-  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
+  assert cfg.fwd.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
   TestPallasTritonGpu().check(case)
 
 
@@ -330,10 +346,12 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     return fn, args
 
   # A base equal to the first candidates keeps the candidate order as listed.
-  base = TritonConfig(fwd=autotune.FWD_CANDIDATES[0], dq=autotune.BWD_CANDIDATES[0][0],
+  first = TritonForward(**dataclasses.asdict(autotune.FWD_CANDIDATES[0]))
+  base = TritonConfig(fwd=first, dq=autotune.BWD_CANDIDATES[0][0],
                       dkv=autotune.BWD_CANDIDATES[0][1])
   cfg = autotune.TUNER.tune(s, marked, timer=timer, base=base)
-  assert cfg.fwd == autotune.FWD_CANDIDATES[1]
+  assert type(cfg.fwd) is TritonForward
+  assert tiles(cfg.fwd) == tiles(autotune.FWD_CANDIDATES[1])
   assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
   assert autotune.TUNER.lookup(s) == cfg  # read back from the JSON file
   assert pallas_triton.resolve_config(s, None, interpret=True) == cfg
@@ -431,7 +449,8 @@ def test_d128_forward_tiles_follow_the_key_length():
       128, 64, 4, 2)
   assert (long.block_q, long.block_kv, long.num_warps, long.num_stages) == (
       128, 128, 8, 3)
-  assert short in autotune.FWD_CANDIDATES and long in autotune.FWD_CANDIDATES
+  candidates = [tiles(c) for c in autotune.FWD_CANDIDATES]
+  assert tiles(short) in candidates and tiles(long) in candidates
 
 
 # Wide heads take 64x64 backward tiles over 8 warps (half the accumulator
@@ -511,7 +530,7 @@ def test_default_tiles_fit_every_generation(dtype):
         assert (long_tiles and d == 128 and dtype == "bfloat16") == (
             target.hopper and d == 128 and dtype == "bfloat16" and bias is None), (
                 target.name, d, p.fwd)
-        assert not p.split_tail or target.hopper
+        assert not p.fwd.split_tail or target.hopper
 
 
 class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):

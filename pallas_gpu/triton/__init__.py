@@ -7,4 +7,4 @@ form ``kvcache.py``."""
 from .decode import DecodeConfig
 from .pallas_triton import (CAPABILITIES, NAME, default_config, flash_attention,
                             resolve_config, supported)
-from .plan import KernelConfig, TritonConfig
+from .plan import KernelConfig, TritonConfig, TritonForward

@@ -1,5 +1,5 @@
 """Pallas-Triton forward kernel: grid (q blocks, B, Hq), one program per q tile
-(or per pair of q tiles for causal bands, TritonConfig.fold_causal), online
+(or per pair of q tiles for causal bands, TritonForward.fold_causal), online
 softmax in base 2 over the kv tiles the band reaches.
 
 The kv loop runs in three stages: edge tiles that the band (or the padded key
@@ -49,7 +49,7 @@ def stages(plan: tp.Plan, lo, lo_full, hi_full, hi, body, carry):
 
 
 def folds(plan: tp.Plan, fold_causal: bool) -> bool:
-  """Whether the forward pairs q blocks (TritonConfig.fold_causal): only for a
+  """Whether the forward pairs q blocks (TritonForward.fold_causal): only for a
   causal band, where q block i reaches i + 1 kv tiles and the pairs balance."""
   band = plan.spec.band
   return (fold_causal and band.left is None and band.right is not None
@@ -185,7 +185,7 @@ def segment_specs(visible, batch_map):
 
 
 def splits_tail(plan: tp.Plan, fold: bool, slots: int):
-  """The key split of the last wave (TritonConfig.split_tail), or None: only for
+  """The key split of the last wave (TritonForward.split_tail), or None: only for
   equal programs (the full band, unfolded) without dropout, whose 1/(1 - rate)
   scaling the partials would skip."""
   if fold or not plan.spec.band.is_full or plan.spec.dropout_rate > 0:
