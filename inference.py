@@ -9,12 +9,12 @@ and the append once, and runs the platform's attention over the cache:
 * ``pallas-tpu``: a paged decode kernel whose scalar-prefetched page table drives
   the page DMAs;
 * GPU (``pallas`` or ``pallas-triton``): the Pallas-Triton split-KV decode kernel
-  (pallas_gpu/triton_kvcache.py) where it applies (power-of-two head dims, at most
+  (pallas_gpu/triton/kvcache.py) where it applies (power-of-two head dims, at most
   64 query rows per key head, pages of a power of two >= 16), else the xla path
   (logged once); ``triton`` runs the xla path.
 
 ``flash_attention`` with few queries against many keys (decode, chunked prefill)
-takes the same split-KV kernel on both GPU platforms (pallas_gpu/triton_decode.py).
+takes the same split-KV kernel on both GPU platforms (pallas_gpu/triton/decode.py).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
 
 
 def _gpu_reason(spec: kv.KvCacheSpec) -> str | None:
-  from .pallas_gpu import triton_kvcache
+  from .pallas_gpu.triton import kvcache as triton_kvcache
   return triton_kvcache.supported(spec)
 
 
@@ -113,7 +113,7 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     return_updated_cache: also return the caches with k, v written in.
     backend, platform, config, interpret: as ``flash_attention``; ``config`` is
       the chosen platform's (``xla_cpu.XlaConfig``, ``pallas_tpu.KvCacheConfig``,
-      ``pallas_gpu.triton_decode.DecodeConfig``).
+      ``pallas_gpu.triton.DecodeConfig``).
 
   Returns:
     ``out [B, Sq, Hq, Dv]`` in q's dtype; with ``return_softmax_lse``
@@ -137,7 +137,7 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     out, lse = pallas_tpu.kvcache_attention(prep, ops.sinks, spec, config,
                                             interpret=interpret)
   elif name == "pallas-triton":
-    from .pallas_gpu import triton_kvcache
+    from .pallas_gpu.triton import kvcache as triton_kvcache
     out, lse = triton_kvcache.attention(prep, ops.sinks, spec, config,
                                         hardware.num_sms(), interpret=interpret)
   else:

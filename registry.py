@@ -30,8 +30,8 @@ class Platform:
 PLATFORMS = {p.name: p for p in [
     Platform("xla", "xla_cpu", ("cpu", "gpu", "tpu")),
     Platform("pallas-tpu", "pallas_tpu", ("tpu",)),
-    Platform("pallas-mosaic-gpu", "pallas_gpu.mosaic", ("gpu",)),
-    Platform("pallas-triton", "pallas_gpu.pallas_triton", ("gpu",)),
+    Platform("pallas-mosaic-gpu", "pallas_gpu.mosaic.mosaic", ("gpu",)),
+    Platform("pallas-triton", "pallas_gpu.triton.pallas_triton", ("gpu",)),
     Platform("triton", "triton_gpu", ("gpu",)),
 ]}
 

@@ -92,8 +92,8 @@ def _lucidrains():
 
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("xla", "flashjax", _flashjax_platform("xla_cpu")),
-    Impl("pallas", "flashjax", _flashjax_platform("pallas_gpu.mosaic"), ("gpu",)),
-    Impl("pallas-triton", "flashjax", _flashjax_platform("pallas_gpu.pallas_triton"),
+    Impl("pallas", "flashjax", _flashjax_platform("pallas_gpu.mosaic.mosaic"), ("gpu",)),
+    Impl("pallas-triton", "flashjax", _flashjax_platform("pallas_gpu.triton.pallas_triton"),
          ("gpu",)),
     Impl("triton", "flashjax", _flashjax_platform("triton_gpu"), ("gpu",)),
     Impl("jax-xla", "peer", _jax_nn("xla")),

@@ -1,7 +1,9 @@
 """Autotuning machinery shared by the GPU platforms: a persistent JSON cache keyed by
 device kind and shape class, timing of candidates on random inputs in a fresh
-thread, and the FLASHJAX_AUTOTUNE switch. Platforms supply their candidates and
-their config's JSON form.
+thread, the FLASHJAX_AUTOTUNE switch, and one search (:class:`Tuner`: rounds of
+candidates, each timed against the previous round's winner, the winner cached).
+Platforms supply their candidates (as :class:`Round` s) and their config's JSON
+form.
 
 The cache is ``$FLASHJAX_AUTOTUNE_CACHE`` if set, else
 ``~/.cache/flashjax/<platform>.json``; keys carry the platform's prefix, so
@@ -63,8 +65,16 @@ class JsonCache:
       return {}
 
   def lookup(self, spec):
+    """The cached winner, or None; an entry this config layout cannot read (one
+    cached before its fields changed) is a miss, so the caller tunes again or
+    takes the default."""
     entry = self._load().get(self.key_prefix + shape_class(spec))
-    return None if entry is None else self.from_json(entry)
+    if entry is None:
+      return None
+    try:
+      return self.from_json(entry)
+    except (KeyError, TypeError, ValueError, AttributeError):
+      return None
 
   def store(self, spec, cfg):
     path = self.path
@@ -104,26 +114,69 @@ def fastest(configs, run, with_grad: bool, timer, platform: str):
   return min(timed, key=lambda t: t[0])[1]
 
 
-def tune_kernels(spec, run, *, candidates, cache: JsonCache, base, timer=default_timer):
-  """Times the forward candidates, then the (dq, dkv) candidates with the winning
-  forward, and caches the winner. ``candidates`` is ``(forward list, backward list)``;
-  the base config competes in both, so tuning never picks worse than the default.
-  ``run(config, with_grad)`` returns ``(fn, args)``; candidates that fail to
-  compile are skipped. Runs in a fresh thread (see :func:`in_fresh_thread`)."""
-  def tune():
-    fwd_cands, bwd_cands = candidates
-    fwd_cands = (base.fwd,) + tuple(c for c in fwd_cands if c != base.fwd)
-    bwd_cands = ((base.dq, base.dkv),) + tuple(c for c in bwd_cands
-                                               if c != (base.dq, base.dkv))
-    best = lambda cfgs, grad: fastest(cfgs, run, grad, timer, cache.platform)
-    fwd = best([dataclasses.replace(base, fwd=c) for c in fwd_cands], False).fwd
-    with_fwd = dataclasses.replace(base, fwd=fwd)
-    cfg = best([dataclasses.replace(with_fwd, dq=dq, dkv=dkv) for dq, dkv in bwd_cands],
-               True)
-    cache.store(spec, cfg)
-    return cfg
+@dataclasses.dataclass(frozen=True)
+class Round:
+  """One round of a search: ``candidates(winner so far)`` gives the configs to
+  time, with the gradient (``with_grad``) or the forward only. An empty list
+  skips the round."""
 
-  return in_fresh_thread(tune)
+  with_grad: bool
+  candidates: Callable
+
+
+def kernel_rounds(fwd, bwd) -> tuple[Round, Round]:
+  """The two rounds of a config with ``fwd``, ``dq`` and ``dkv`` kernels
+  (common/launch.py): the forward's tiles (set in the config's own forward class,
+  so its launch flags stay), then ``(dq, dkv)`` pairs with the winning forward."""
+  tiles = lambda best, c: dataclasses.replace(best, fwd=dataclasses.replace(
+      best.fwd, block_q=c.block_q, block_kv=c.block_kv, num_warps=c.num_warps,
+      num_stages=c.num_stages))
+  return (Round(False, lambda best: [tiles(best, c) for c in fwd]),
+          Round(True, lambda best: [dataclasses.replace(best, dq=dq, dkv=dkv)
+                                    for dq, dkv in bwd]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuner:
+  """A platform's search: its cache and ``rounds(spec) -> [Round, ...]``. Each
+  round times the previous winner (at first the base config) and its candidates,
+  so tuning never picks worse than the default as timed."""
+
+  cache: JsonCache
+  rounds: Callable
+
+  def lookup(self, spec):
+    return self.cache.lookup(spec)
+
+  def tune(self, spec, run, *, base, timer=default_timer):
+    """Runs the rounds from ``base`` and caches the winner. ``run(config,
+    with_grad)`` returns ``(fn, args)``; candidates that fail to compile are
+    skipped. Runs in a fresh thread (see :func:`in_fresh_thread`)."""
+    def go():
+      best = base
+      for r in self.rounds(spec):
+        candidates = list(r.candidates(best))
+        if candidates:
+          unique = [best] + [c for i, c in enumerate(candidates)
+                             if c != best and c not in candidates[:i]]
+          best = fastest(unique, run, r.with_grad, timer, self.cache.platform)
+      self.cache.store(spec, best)
+      return best
+
+    return in_fresh_thread(go)
+
+  def resolve(self, spec, config, *, attention, default, may_tune: bool):
+    """An explicit config, else the cache's winner for this device and shape
+    class, else (with FLASHJAX_AUTOTUNE=1 and ``may_tune``) a fresh tuning run of
+    ``attention`` from ``default``, else ``default``."""
+    if config is not None:
+      return config
+    cached = self.lookup(spec)
+    if cached is not None:
+      return cached
+    if enabled() and may_tune:
+      return self.tune(spec, random_run(spec, attention), base=default)
+    return default
 
 
 def random_run(spec, attention):
@@ -152,17 +205,3 @@ def random_run(spec, attention):
     return g, inputs()
 
   return run
-
-
-def resolve(spec, config, *, cache: JsonCache, tune, attention, default, may_tune: bool):
-  """An explicit config, else the cache's winner for this device and shape class,
-  else (with FLASHJAX_AUTOTUNE=1 and ``may_tune``) a fresh tuning run of
-  ``attention`` over ``tune``'s candidates, else ``default``."""
-  if config is not None:
-    return config
-  cached = cache.lookup(spec)
-  if cached is not None:
-    return cached
-  if enabled() and may_tune:
-    return tune(spec, random_run(spec, attention), base=default)
-  return default

@@ -60,11 +60,26 @@ class KernelsConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> "KernelsConfig":
-    # Scalar fields (fp32_precision, a subclass's launch flags) pass through;
-    # entries cached before a field existed take its default.
-    rest = {k: v for k, v in d.items() if k not in ("fwd", "dq", "dkv")}
-    return cls(fwd=KernelConfig(**d["fwd"]), dq=KernelConfig(**d["dq"]),
-               dkv=KernelConfig(**d["dkv"]), **rest)
+    """The inverse of ``dataclasses.asdict``: each kernel's dict becomes its
+    field's class (a subclass's forward class included); missing fields take
+    their defaults, unknown ones raise ``TypeError``."""
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)
+             if f.name in ("fwd", "dq", "dkv")}
+    return cls(**{k: kinds[k](**v) if k in kinds else v for k, v in d.items()})
+
+
+def kernel_configs(*rows) -> tuple[KernelConfig, ...]:
+  """Kernel configs from ``(block_q, block_kv, num_warps, num_stages)`` rows (the
+  autotuners' candidate tables)."""
+  return tuple(KernelConfig(block_q=q, block_kv=kv, num_warps=w, num_stages=s)
+               for q, kv, w, s in rows)
+
+
+def kernel_pairs(*rows) -> tuple[tuple[KernelConfig, KernelConfig], ...]:
+  """``(dq, dkv)`` pairs from rows of one ``(block_q, block_kv, num_warps,
+  num_stages)`` tuple (both kernels) or two (dq's, dkv's)."""
+  pair = lambda row: kernel_configs(*(row if isinstance(row[0], tuple) else (row, row)))
+  return tuple(pair(row) for row in rows)
 
 
 def fit_to_lengths(cfg: KernelsConfig, spec) -> KernelsConfig:

@@ -86,7 +86,8 @@ def check_config(config, config_type: type, name: str):
 def block_sizes(default_config, parts: tuple[str, ...]):
   """A platform's ``config_from_block_sizes(spec, block_q=None, block_kv=None)``:
   jax-flash-attn2's ``blocksize_q``/``blocksize_k`` over ``default_config(spec)``,
-  set in the sub-configs named by ``parts`` (``""``: the config itself)."""
+  set in the per-kernel configs named by ``parts`` (``("fwd",)``, ``("fwd",
+  "bwd")``)."""
 
   def config_from_block_sizes(spec, block_q=None, block_kv=None):
     return with_block_sizes(default_config(spec), block_q, block_kv, parts)
@@ -100,8 +101,7 @@ def with_block_sizes(config, block_q, block_kv, parts: tuple[str, ...]):
     return dataclasses.replace(c, block_q=block_q or c.block_q,
                                block_kv=block_kv or c.block_kv)
   for part in parts:
-    config = one(config) if part == "" else dataclasses.replace(
-        config, **{part: one(getattr(config, part))})
+    config = dataclasses.replace(config, **{part: one(getattr(config, part))})
   return config
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flashjax.common import dropout, reference, spec as spec_lib
-from flashjax.pallas_gpu import pallas_triton
+from flashjax.pallas_gpu.triton import pallas_triton
 from flashjax.pallas_tpu import attention as pallas_tpu
 
 PLATFORMS = {"pallas-triton": pallas_triton.attention_from_operands,

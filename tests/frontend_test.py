@@ -113,7 +113,8 @@ def test_blocksize_environment_variables(monkeypatch):
                                                   softmax_scale=0.25)
   q, k, v = _qkv(seed=5)
   _close(attention(q, k, v), reference.attention(q, k, v, softmax_scale=0.25))
-  assert (seen["config"].block_q, seen["config"].block_kv) == (16, 48)
+  for blocks in (seen["config"].fwd, seen["config"].bwd):
+    assert (blocks.block_q, blocks.block_kv) == (16, 48)
 
 
 def test_flash_mha_style():
@@ -233,7 +234,7 @@ def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
   monkeypatch.setattr(registry, "PLATFORMS", {
       **registry.PLATFORMS,
       "triton": registry.Platform("triton", "triton_gpu", ("cpu",)),
-      "pallas-triton": registry.Platform("pallas-triton", "pallas_gpu.pallas_triton",
+      "pallas-triton": registry.Platform("pallas-triton", "pallas_gpu.triton.pallas_triton",
                                          ("cpu",))})
   registry._logged.clear()
   q, k, v = _qkv(seed=10)
@@ -308,7 +309,8 @@ def test_config_pins_the_automatic_choice_to_its_platform():
   from flashjax import pallas_tpu, xla_cpu
   q, k, v = _qkv(b=1, sq=40, sk=40, hq=2, hkv=1, d=16, seed=14)
   out = flashjax.flash_attention(q, k, v, causal=True,
-                                 config=xla_cpu.XlaConfig(block_q=16, block_kv=16))
+                                 config=xla_cpu.XlaConfig(
+                                     fwd=xla_cpu.BlockSizes(block_q=16, block_kv=16)))
   _close(out, reference.attention(q, k, v, causal=True))
   with pytest.raises(ValueError, match=r"config is a TpuConfig.*\('xla' on backend "
                      r"'cpu', which takes a XlaConfig\)"):

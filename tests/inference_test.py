@@ -35,7 +35,7 @@ def test_gpu_without_a_kernel_for_the_call_runs_xla_and_says_so_once(caplog,
 
 
 def test_gpu_kernel_runs_where_it_applies(monkeypatch):
-  from flashjax.pallas_gpu import triton_kvcache
+  from flashjax.pallas_gpu.triton import kvcache as triton_kvcache
   calls = []
   real = triton_kvcache.attention
   monkeypatch.setattr(triton_kvcache, "attention",

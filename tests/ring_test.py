@@ -192,8 +192,9 @@ FOUR = PRELUDE + textwrap.dedent("""
 
     # Per-device memory of fwd+bwd grows linearly in the local length (fixed
     # block sizes, so no kernel tile grows with it).
-    from flashjax.xla_cpu import XlaConfig
-    cfg = XlaConfig(block_q=32, block_kv=32)
+    from flashjax.xla_cpu import BlockSizes, XlaConfig
+    blocks = BlockSizes(block_q=32, block_kv=32)
+    cfg = XlaConfig(fwd=blocks, bwd=blocks)
 
     def memory(s):
         local = lambda q, k, v: flashjax.ring_attention(

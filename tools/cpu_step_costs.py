@@ -85,7 +85,7 @@ def causal_steps(seq: int, config: XlaConfig = XlaConfig()) -> tuple[int, int, i
   runs for a causal ``seq x seq`` call, and the steps of the non-causal call."""
   x = jnp.zeros((1, seq, 1, 8), jnp.float32)
   _, spec = spec_lib.canonicalize(x, x, x, causal=True)
-  lay = blocks.make_layout(spec, config)
+  lay = blocks.make_layout(spec, config, config.fwd)
   lo, t, _, _, h, hi = lay.split_ranges(over_kv=True)
   full = int(np.sum(h - t))
   half = int(np.sum(t - lo) + np.sum(hi - h)) if lay.splits_rows else 0
@@ -104,7 +104,7 @@ def main(argv=None):
   parser.add_argument("--seqs", default="2048,4096,8192")
   parser.add_argument("--rounds", type=int, default=12)
   args = parser.parse_args(argv)
-  cfg = XlaConfig()
+  cfg = XlaConfig().fwd
   print(jax.devices()[0].device_kind, jax.__version__, "fp32, H=8, D=64", flush=True)
   costs = measure(rounds=args.rounds)
   unit = costs[(cfg.block_q, cfg.block_kv)][0]

@@ -4,10 +4,11 @@ same process for ratios.
   python -m tools.mosaic_sweep [shape_set] [name=value,... ...]
   python -m tools.mosaic_sweep --bwd [shape_set] [name=value,... ...]
 
-Each candidate is a set of MosaicConfig fields, e.g. ``block_kv=64,stages=3`` or
-``persistent=0`` (``-`` is the default config). The forward sweep times the
-forward; ``--bwd`` times ``jax.grad`` (forward + backward), e.g. with
-``dq_block_kv=128,dkv_block_q=128``.
+Each candidate is a set of MosaicConfig fields, a kernel's as ``kernel.field``,
+e.g. ``fwd.block_kv=64,fwd.num_stages=3`` or ``fwd.persistent=0`` (``-`` is the
+default config). The forward sweep times the forward; ``--bwd`` times
+``jax.grad`` (forward + backward), e.g. with ``dq.block_kv=128,dkv.block_q=128``
+or ``bwd_one_launch=0``.
 """
 
 import sys
@@ -19,23 +20,24 @@ from tools import sweeps
 from flashjax.common import shapes
 from flashjax.common.timer import time_ms
 from flashjax.pallas_gpu import mosaic
+from flashjax.pallas_gpu.mosaic import config as mosaic_config
 
-DEFAULT = ["-", "persistent=0", "persistent=1", "block_kv=64,stages=3"]
+DEFAULT = ["-", "fwd.persistent=0", "fwd.persistent=1",
+           "fwd.block_kv=64,fwd.num_stages=3"]
 
 
-def _fields(text):
-  if text == "-":
-    return {}
-  out = {}
-  for item in text.split(","):
+def config(text) -> mosaic.MosaicConfig:
+  """The MosaicConfig of a candidate string (``-``: the default)."""
+  fields = {}
+  for item in ([] if text == "-" else text.split(",")):
     name, value = item.split("=")
-    if name == "backward_kernel":
-      out[name] = value
-    elif name in ("persistent", "bwd_one_launch", "split_tail"):
-      out[name] = bool(int(value))
-    else:
-      out[name] = int(value)
-  return out
+    kernel, _, field = name.rpartition(".")
+    if field in ("persistent", "bwd_one_launch", "split_tail"):
+      value = bool(int(value))
+    elif field != "backward_kernel":
+      value = int(value)
+    (fields.setdefault(kernel, {}) if kernel else fields)[field] = value
+  return mosaic_config.from_json(fields)
 
 
 def sweep_backward(set_name, cands):
@@ -53,7 +55,7 @@ def sweep_backward(set_name, cands):
     row = [f"{shp.name:26s} cudnn fwd+bwd {base:6.3f} ms"]
     for text in cands:
       try:
-        cfg = mosaic.MosaicConfig(**_fields(text))
+        cfg = config(text)
         t = time_ms(grad_of(lambda q, k, v: mosaic.flash_attention(
             q, k, v, causal=shp.causal, config=cfg)), (q, k, v), iters=10, repeats=5)
         row.append(f"{text} {t:6.3f} ({base / t:.2f}x)")
@@ -72,7 +74,7 @@ def main():
       lambda shp: lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=shp.causal, implementation="cudnn"),
       lambda text, shp, q, k, v: lambda q, k, v: mosaic.flash_attention(
-          q, k, v, causal=shp.causal, config=mosaic.MosaicConfig(**_fields(text))))
+          q, k, v, causal=shp.causal, config=config(text)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Pallas-Triton example timed in the same process for ratios.
 
 A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
 ``-`` is the default config. Trailing ``,fold``/``,nofold`` and ``,split``/
-``,nosplit`` set ``TritonConfig.fold_causal`` and ``split_tail`` (e.g.
+``,nosplit`` set ``TritonForward.fold_causal`` and ``split_tail`` (e.g.
 ``-,nosplit``); without them the default's stand.
 """
 
@@ -16,8 +16,7 @@ import sys
 from tools import sweeps
 from flashjax.benchmarks.impls import _jax_pallas_triton
 from flashjax.common.spec import canonicalize
-from flashjax.pallas_gpu import pallas_triton
-from flashjax.pallas_gpu.triton_plan import KernelConfig
+from flashjax.pallas_gpu.triton import pallas_triton
 
 DEFAULT = ["-", "128,64,8,3", "128,64,8,4"]
 
@@ -29,13 +28,13 @@ def _config(text, q, k, v, causal):
   flags = {"fold": "fold_causal", "split": "split_tail"}
   while parts[-1].removeprefix("no") in flags:
     flag = parts.pop()
-    base = dataclasses.replace(base, **{flags[flag.removeprefix("no")]:
-                                        not flag.startswith("no")})
+    base = dataclasses.replace(base, fwd=dataclasses.replace(
+        base.fwd, **{flags[flag.removeprefix("no")]: not flag.startswith("no")}))
   if parts == ["-"]:
     return base
   bq, bk, w, s = (int(x) for x in parts)
-  return dataclasses.replace(base, fwd=KernelConfig(block_q=bq, block_kv=bk,
-                                                    num_warps=w, num_stages=s))
+  return dataclasses.replace(base, fwd=dataclasses.replace(
+      base.fwd, block_q=bq, block_kv=bk, num_warps=w, num_stages=s))
 
 
 def main():

@@ -11,14 +11,14 @@ from __future__ import annotations
 import importlib.util
 
 from ..common import platform
-from .plan import Launch, TritonKernelsConfig, default_config
+from .plan import KernelConfig, KernelsConfig, default_config
 
 NAME = "triton"
-CONFIG = TritonKernelsConfig
+CONFIG = KernelsConfig
 CAPABILITIES = platform.Capabilities(dtypes=("float32", "bfloat16", "float16"),
                                      max_head_dim=256)
 
-__all__ = ["CAPABILITIES", "CONFIG", "NAME", "Launch", "TritonKernelsConfig",
+__all__ = ["CAPABILITIES", "CONFIG", "NAME", "KernelConfig", "KernelsConfig",
            "attention_from_operands", "config_from_block_sizes", "default_config",
            "flash_attention", "supported"]
 
@@ -42,14 +42,17 @@ def supported(spec) -> str | None:
 config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
-def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):
+def attention_from_operands(ops, spec, config: KernelsConfig | None = None):
   reason = supported(spec)
   if reason:
     raise NotImplementedError(reason)
   import jax
   from . import autotune
-  config = autotune.resolve_config(spec, config, flash_attention,
-                                   on_gpu=jax.default_backend() == "gpu")
+  # Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
+  # heuristic default.
+  config = autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                  default=default_config(spec),
+                                  may_tune=jax.default_backend() == "gpu")
   try:
     from . import attention  # imports triton and jax-triton
   except ImportError as e:  # e.g. jax-triton without a GPU jaxlib

@@ -24,7 +24,7 @@ from ..common import epilogue, hardware, platform, vjp
 from ..common import spec as spec_lib
 from ..common.blocking import pad_axis, pad_broadcastable
 from . import plan
-from .plan import Geometry, TritonKernelsConfig, default_config
+from .plan import Geometry, KernelsConfig, default_config
 
 _cache_dir = os.environ.get("TRITON_CACHE_DIR")
 import jax_triton as jt  # noqa: E402  (sets TRITON_CACHE_DIR="" on import)
@@ -153,10 +153,10 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
       v=dv[:, :spec.seq_k, :, :spec.head_dim_v], bias=dbias, sinks=dsinks)
 
 
-def attention_from_operands(ops, spec, config: TritonKernelsConfig | None = None):
+def attention_from_operands(ops, spec, config: KernelsConfig | None = None):
   if jax.default_backend() != "gpu":
     raise NotImplementedError("needs a GPU (Triton kernels through jax-triton)")
-  config = platform.check_config(config or default_config(spec), TritonKernelsConfig,
+  config = platform.check_config(config or default_config(spec), KernelsConfig,
                                  "triton")
   return vjp.attention(forward, backward, ops, spec, platform.Static(config),
                        per_shard=True)

@@ -9,33 +9,18 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import autotune as common
-from .plan import Launch, TritonKernelsConfig, default_config
+from ..common.launch import KernelsConfig, kernel_configs, kernel_pairs
 
-FWD_CANDIDATES = (
-    Launch(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-    Launch(block_q=128, block_kv=128, num_warps=8, num_stages=3),
-    Launch(block_q=128, block_kv=64, num_warps=4, num_stages=3),
-    Launch(block_q=64, block_kv=64, num_warps=4, num_stages=3),
-    Launch(block_q=128, block_kv=32, num_warps=4, num_stages=4),
-)
-BWD_CANDIDATES = (
-    (Launch(block_q=64, block_kv=64, num_warps=4, num_stages=2),) * 2,
-    (Launch(block_q=128, block_kv=64, num_warps=8, num_stages=2),
-     Launch(block_q=64, block_kv=128, num_warps=8, num_stages=2)),
-    (Launch(block_q=64, block_kv=64, num_warps=8, num_stages=3),) * 2,
-)
+# Rows: (block_q, block_kv, num_warps, num_stages); backward rows give the dq and
+# dkv kernels one row together or one each.
+FWD_CANDIDATES = kernel_configs(
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4))
+BWD_CANDIDATES = kernel_pairs(
+    (64, 64, 4, 2), ((128, 64, 8, 2), (64, 128, 8, 2)), (64, 64, 8, 3))
 # D > 128: tiles of 256 columns leave room for narrow tiles only.
-WIDE_FWD_CANDIDATES = (
-    Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-    Launch(block_q=64, block_kv=64, num_warps=8, num_stages=2),
-    Launch(block_q=128, block_kv=32, num_warps=8, num_stages=2),
-)
-WIDE_BWD_CANDIDATES = (
-    (Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),) * 2,
-    (Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-     Launch(block_q=32, block_kv=64, num_warps=4, num_stages=2)),
-    (Launch(block_q=64, block_kv=64, num_warps=8, num_stages=1),) * 2,
-)
+WIDE_FWD_CANDIDATES = kernel_configs((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2))
+WIDE_BWD_CANDIDATES = kernel_pairs(
+    (32, 32, 4, 1), ((64, 32, 4, 2), (32, 64, 4, 2)), (64, 64, 8, 1))
 
 
 def candidates(spec):
@@ -44,20 +29,7 @@ def candidates(spec):
   return FWD_CANDIDATES, BWD_CANDIDATES
 
 
-CACHE = common.JsonCache("triton", dataclasses.asdict, TritonKernelsConfig.from_json,
-                         key_prefix="triton|")
-
-
-def tune(spec, run, *, timer=common.default_timer,
-         base: TritonKernelsConfig | None = None) -> TritonKernelsConfig:
-  """Times the candidates for ``spec`` and caches the winner
-  (:func:`common.autotune.tune_kernels`)."""
-  return common.tune_kernels(spec, run, candidates=candidates(spec), cache=CACHE,
-                             base=base or TritonKernelsConfig(), timer=timer)
-
-
-def resolve_config(spec, config, flash_attention, *, on_gpu: bool):
-  """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
-  heuristic default (common/autotune.py)."""
-  return common.resolve(spec, config, cache=CACHE, tune=tune, attention=flash_attention,
-                        default=default_config(spec), may_tune=on_gpu)
+TUNER = common.Tuner(
+    common.JsonCache("triton", dataclasses.asdict, KernelsConfig.from_json,
+                     key_prefix="triton|"),
+    lambda spec: common.kernel_rounds(*candidates(spec)))

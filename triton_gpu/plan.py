@@ -15,28 +15,23 @@ from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
 from ..common.spec import AttentionSpec
 
 
-# One config definition for both Triton-based platforms (common/launch.py).
-Launch = KernelConfig
-TritonKernelsConfig = KernelsConfig
-
-
 def default_config(spec: AttentionSpec,
-                   target: GpuTarget | None = None) -> TritonKernelsConfig:
+                   target: GpuTarget | None = None) -> KernelsConfig:
   """Tiles by head dim, overridden by jax-flash-attn2's BLOCKSIZE_M_FLASH_ATTN /
   BLOCKSIZE_N_FLASH_ATTN (forward tiles); the streamed tiles fit ``target``'s
   shared memory (default: the default device's generation)."""
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
-    cfg = TritonKernelsConfig(fwd=Launch(block_q=128, block_kv=64, num_warps=4,
+    cfg = KernelsConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=4,
                                          num_stages=3))
   elif d <= 128:
-    cfg = TritonKernelsConfig(fwd=Launch(block_q=128, block_kv=64, num_warps=8,
+    cfg = KernelsConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=8,
                                          num_stages=3))
   else:
-    cfg = TritonKernelsConfig(
-        fwd=Launch(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-        dq=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1),
-        dkv=Launch(block_q=32, block_kv=32, num_warps=4, num_stages=1))
+    cfg = KernelsConfig(
+        fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+        dq=KernelConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
+        dkv=KernelConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1))
   cfg = platform.with_block_sizes(cfg, env.positive_int("BLOCKSIZE_M_FLASH_ATTN"),
                                   env.positive_int("BLOCKSIZE_N_FLASH_ATTN"), ("fwd",))
   budget = streamed_budget(target or hardware.gpu_target())
@@ -53,7 +48,7 @@ class Geometry:
   pad_k: int
 
   @classmethod
-  def of(cls, spec, config: TritonKernelsConfig):
+  def of(cls, spec, config: KernelsConfig):
     launches = (config.fwd, config.dq, config.dkv)
     return cls(spec, max(c.block_q for c in launches), max(c.block_kv for c in launches))
 
@@ -109,7 +104,7 @@ def _strides(shape, names):
 
 
 def constexprs(spec: AttentionSpec, geo: Geometry, bm: int, bn: int,
-               config: TritonKernelsConfig, bias_shape=None, mask_shape=None) -> dict:
+               config: KernelsConfig, bias_shape=None, mask_shape=None) -> dict:
   """The kernels' constexpr arguments (listed in kernels.py) for one launch;
   ``bias_shape``/``mask_shape`` are the padded operands' shapes, or None."""
   band = spec.band

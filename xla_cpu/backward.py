@@ -37,7 +37,7 @@ def transpose_shape(shape):
 
 def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do,
              dlse) -> Operands:
-  lay = blocks.make_layout(spec, config)
+  lay = blocks.make_layout(spec, config, config.bwd)
   prep = blocks.prepare(ops, lay)
   acc_dt = lay.acc_dtype
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size

@@ -14,7 +14,7 @@ from ..common import blocking, segments
 from ..common.blocking import BlockGrid, pad_axis
 from ..common.mask import tile_allowed
 from ..common.spec import AttentionSpec, Operands
-from .config import XlaConfig
+from .config import BlockSizes, XlaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,8 @@ class Layout(BlockGrid):
     return ok if part is None else ok & part
 
 
-def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
+def make_layout(spec: AttentionSpec, config: XlaConfig, blocks: BlockSizes) -> Layout:
+  """The layout of one loop: ``blocks`` (``config.fwd`` or ``config.bwd``)."""
   if config.compute_dtype is not None:
     dtype = jnp.dtype(config.compute_dtype)
   elif spec.dtype == "float64":
@@ -112,8 +113,8 @@ def make_layout(spec: AttentionSpec, config: XlaConfig) -> Layout:
   # Exact fp32 products (no TF32/bf16 passes on accelerators).
   precision = jax.lax.Precision.HIGHEST if dtype.itemsize >= 4 else None
   acc = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
-  return Layout(band=spec.band, block_q=min(config.block_q, spec.seq_q),
-                block_kv=min(config.block_kv, spec.seq_k), spec=spec,
+  return Layout(band=spec.band, block_q=min(blocks.block_q, spec.seq_q),
+                block_kv=min(blocks.block_kv, spec.seq_k), spec=spec,
                 compute_dtype=dtype, acc_dtype=acc, precision=precision)
 
 

@@ -16,7 +16,7 @@ from .config import XlaConfig
 
 def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
   """Returns ``out [B, Sq, Hq, Dv]`` (q's dtype) and ``lse [B, Hq, Sq]`` (fp32)."""
-  lay = blocks.make_layout(spec, config)
+  lay = blocks.make_layout(spec, config, config.fwd)
   prep = blocks.prepare(ops, lay)
   seg = blocks.segment_ranges(prep, lay)
   b, hkv, g = spec.batch, spec.heads_kv, spec.group_size

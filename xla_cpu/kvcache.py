@@ -23,8 +23,8 @@ def block_size(spec: kv.KvCacheSpec, config: XlaConfig) -> int:
   """Positions per step: ``block_kv`` (at most the capacity), rounded to whole
   pages for a paged cache (one page when pages are larger)."""
   if spec.paged:
-    return max(1, config.block_kv // spec.page_size) * spec.page_size
-  return min(config.block_kv, spec.capacity)
+    return max(1, config.fwd.block_kv // spec.page_size) * spec.page_size
+  return min(config.fwd.block_kv, spec.capacity)
 
 
 def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,

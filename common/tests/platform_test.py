@@ -56,8 +56,6 @@ def test_config_type_is_exact_and_block_sizes_land_in_the_named_parts():
   both = platform.block_sizes(lambda spec: _Config(), ("fwd", "bwd"))
   assert both(None, None, 16) == _Config(fwd=_Blocks(block_kv=16),
                                          bwd=_Blocks(block_kv=16))
-  assert platform.with_block_sizes(_Blocks(), 8, 8, ("",)) == _Blocks(block_q=8,
-                                                                       block_kv=8)
 
 
 def _dense(ops, spec, config):

@@ -4,15 +4,18 @@ variant lowered for CUDA (Mosaic-GPU lowers in Python, so trace and lowering err
 show up on the CPU machine)."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax.common import conformance, hardware, platform, spec as spec_lib, tolerances
+from flashjax.common import (autotune, conformance, hardware, platform, spec as spec_lib,
+                             tolerances)
 from flashjax.common.mask import Band
-from flashjax.pallas_gpu import mosaic, mosaic_blocks, pallas_triton
+from flashjax.pallas_gpu.mosaic import blocks as mosaic_blocks, mosaic
+from flashjax.pallas_gpu.triton import pallas_triton
 
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
@@ -46,7 +49,7 @@ def _geometry(seq_q, seq_k, left, right, block_kv=64):
       batch=1, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
       seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=1, heads_kv=1,
       head_dim=64, band=band, softmax_scale=1.0, soft_cap=None, block_q=64,
-      block_kv=block_kv, stages=2, dtype="bfloat16")
+      block_kv=block_kv, num_stages=2, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("seq_q,seq_k,left,right", [
@@ -81,7 +84,7 @@ def test_persistent_schedule_covers_every_tile_once(batch, heads, seq, ctas):
       batch=batch, seq_q=seq, seq_k=seq, seq_q_padded=-(-seq // 128) * 128,
       seq_k_padded=-(-seq // 128) * 128, heads_q=heads, heads_kv=1, head_dim=64,
       band=band, softmax_scale=1.0, soft_cap=None, block_q=64, block_kv=128,
-      stages=2, dtype="bfloat16", persistent_ctas=ctas)
+      num_stages=2, dtype="bfloat16", persistent_ctas=ctas)
   assert g.num_ctas == (min(ctas, g.num_tiles) if ctas else g.num_tiles)
   seen = []
   for cta in range(g.num_ctas):
@@ -99,7 +102,7 @@ def _tail_geometry(batch, heads, seq_q, seq_k, ctas, block_kv=128, **band):
       batch=batch, seq_q=seq_q, seq_k=seq_k, seq_q_padded=-(-seq_q // 128) * 128,
       seq_k_padded=-(-seq_k // block_kv) * block_kv, heads_q=heads, heads_kv=1,
       head_dim=128, band=Band(seq_q=seq_q, seq_k=seq_k, **band), softmax_scale=1.0,
-      soft_cap=None, block_q=64, block_kv=block_kv, stages=2, dtype="bfloat16",
+      soft_cap=None, block_q=64, block_kv=block_kv, num_stages=2, dtype="bfloat16",
       persistent_ctas=ctas, split_tail=True)
 
 
@@ -138,16 +141,16 @@ def test_split_tail_default_where_it_was_measured_to_pay():
   """On by default for D <= 64 with more than 2048 keys only (H200, 2026-11-23)."""
   s = lambda d, seq: spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=12,
                                             head_dim=d, dtype="bfloat16")
-  assert mosaic.default_config(s(64, 8192)).split_tail
-  assert mosaic.default_config(s(48, 4096)).split_tail
-  assert not mosaic.default_config(s(64, 2048)).split_tail
-  assert not mosaic.default_config(s(128, 8192)).split_tail
-  assert not mosaic.default_config(s(256, 8192)).split_tail
+  assert mosaic.default_config(s(64, 8192)).fwd.split_tail
+  assert mosaic.default_config(s(48, 4096)).fwd.split_tail
+  assert not mosaic.default_config(s(64, 2048)).fwd.split_tail
+  assert not mosaic.default_config(s(128, 8192)).fwd.split_tail
+  assert not mosaic.default_config(s(256, 8192)).fwd.split_tail
 
 
 def test_split_tail_applies_to_the_persistent_full_band_only():
   g = _tail_geometry(2, 16, 8192, 8192, 132)
-  assert mosaic_blocks.tail_plan(g) == mosaic_blocks.triton_tail.Tail(1980, 68, 5)
+  assert mosaic_blocks.tail_plan(g) == mosaic_blocks.split_tail.Tail(1980, 68, 5)
   assert mosaic_blocks.num_units(g) == 1980 + 68 * 5
   for other in (dataclasses.replace(g, split_tail=False),
                 dataclasses.replace(g, persistent_ctas=0),
@@ -215,8 +218,9 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
-    config = dataclasses.replace(mosaic.default_config(spec), persistent=persistent,
-                                 split_tail=split_tail)
+    config = mosaic.default_config(spec)
+    config = dataclasses.replace(config, fwd=dataclasses.replace(
+        config.fwd, persistent=persistent, split_tail=split_tail))
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
     static = platform.Static(config)
@@ -225,7 +229,7 @@ def test_every_variant_lowers_for_cuda(variant):
   text = jax.jit(fwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-  # The split tail's parts are merged by triton_tail's (Pallas-Triton) kernel.
+  # The split tail's parts are merged by tail_merge's (Pallas-Triton) kernel.
   assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
 
   def bwd(q, k, v, *values):
@@ -269,25 +273,25 @@ def test_supported_reasons():
 
 
 def test_config_validation():
-  with pytest.raises(ValueError, match="block_q"):
-    mosaic.MosaicConfig(block_q=128)
-  with pytest.raises(ValueError, match="block_kv"):
-    mosaic.MosaicConfig(block_kv=96)
-  with pytest.raises(ValueError, match="stages"):
-    mosaic.MosaicConfig(stages=1)
-  with pytest.raises(ValueError, match="dkv_stages"):
-    mosaic.MosaicConfig(dkv_stages=1)
-  with pytest.raises(ValueError, match="backward_kernel"):
-    mosaic.MosaicConfig(backward_kernel="cudnn")
-  with pytest.raises(ValueError, match="dq_block_kv"):
-    mosaic.MosaicConfig(dq_block_kv=96)
-  with pytest.raises(ValueError, match="bwd_one_launch"):
-    mosaic.MosaicConfig(bwd_one_launch=1)
-  with pytest.raises(ValueError, match="split_tail"):
-    mosaic.MosaicConfig(split_tail=None)
-  for bad in (32, 40):  # 32 once passed validation and failed inside Mosaic-GPU
-    with pytest.raises(ValueError, match="dkv_block_q"):
-      mosaic.MosaicConfig(dkv_block_q=bad)
+  """Each error names the kernel's class, the field and the value."""
+  bad = [(mosaic.MosaicForward, dict(block_q=128), "MosaicForward: block_q .* got 128"),
+         (mosaic.MosaicForward, dict(block_kv=96), "block_kv .* got 96"),
+         (mosaic.MosaicForward, dict(num_stages=1), "num_stages .* got 1"),
+         (mosaic.MosaicForward, dict(split_tail=None), "split_tail .* got None"),
+         (mosaic.MosaicForward, dict(persistent=1), "persistent .* got 1"),
+         (mosaic.MosaicDq, dict(block_kv=96), "MosaicDq: block_kv .* got 96"),
+         (mosaic.MosaicDq, dict(num_stages=1), "MosaicDq: num_stages"),
+         (mosaic.MosaicDkv, dict(num_stages=1), "MosaicDkv: num_stages"),
+         (mosaic.MosaicDkv, dict(block_kv=128), "MosaicDkv: block_kv .* got 128"),
+         # 32 once passed validation and failed inside Mosaic-GPU.
+         (mosaic.MosaicDkv, dict(block_q=32), "MosaicDkv: block_q .* got 32"),
+         (mosaic.MosaicDkv, dict(block_q=40), "MosaicDkv: block_q .* got 40"),
+         (mosaic.MosaicConfig, dict(backward_kernel="cudnn"), "backward_kernel .*cudnn"),
+         (mosaic.MosaicConfig, dict(bwd_one_launch=1), "bwd_one_launch .* got 1"),
+         (mosaic.MosaicConfig, dict(dq=mosaic.MosaicDkv()), "dq must be a MosaicDq")]
+  for cls, kw, match in bad:
+    with pytest.raises(ValueError, match=match):
+      cls(**kw)
 
 
 def test_backward_kernel_choice():
@@ -301,7 +305,8 @@ def test_backward_kernel_choice():
   assert not mosaic.uses_mosaic_backward(s(256), cfg)
   assert not mosaic.uses_mosaic_backward(
       s(64), mosaic.MosaicConfig(backward_kernel="triton"))
-  g_dq, g_dkv = mosaic.backward_geometries(s(96), mosaic.MosaicConfig(dkv_block_q=128))
+  g_dq, g_dkv = mosaic.backward_geometries(
+      s(96), mosaic.MosaicConfig(dkv=mosaic.MosaicDkv(block_q=128)))
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
   assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
@@ -337,36 +342,47 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   """A fake run and timer (no GPU needed): the fastest forward, then the fastest
   backward with that forward, is cached per shape class and read back by
   resolve_config; candidates that fail are skipped."""
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
                              head_dim=128, dtype="bfloat16")
-  assert mosaic_autotune.lookup(s) is None
+  tuner = mosaic_autotune.TUNER
+  assert tuner.lookup(s) is None
+  # An entry of the flat layout cached before the per-kernel configs is a miss.
+  key = tuner.cache.key_prefix + autotune.shape_class(s)
+  (tmp_path / "tune.json").write_text(json.dumps({key: dict(block_kv=64,
+                                                            persistent=True)}))
+  assert tuner.lookup(s) is None
+  assert mosaic.resolve_config(s, None) == mosaic.default_config(s)
   timed = []
 
   def run(cfg, with_grad):
-    if cfg.stages == 4:
+    if cfg.fwd.num_stages == 4:
       raise ValueError("does not fit")  # skipped, not fatal
     return (cfg, with_grad), ()
+
+  winner = mosaic.MosaicForward(block_kv=64, num_stages=3, persistent=False)
 
   def timer(fn, args):
     cfg, with_grad = fn
     timed.append(fn)
     if not with_grad:
-      return 0.5 if (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False) else 1.0
-    assert (cfg.block_kv, cfg.stages, cfg.persistent) == (64, 3, False)
-    return 0.7 if cfg.dkv_stages == 3 else 1.0
+      return 0.5 if cfg.fwd == winner else 1.0
+    assert cfg.fwd == winner
+    return 0.7 if cfg.dkv.num_stages == 3 else 1.0
 
-  cfg = mosaic_autotune.tune(s, run, timer=timer)
-  assert (cfg.block_kv, cfg.stages, cfg.persistent, cfg.dkv_stages) == (64, 3, False, 3)
-  fwd, bwd = mosaic_autotune.candidates(s, mosaic.default_config(s))
-  assert fwd[0] == mosaic.default_config(s)  # the default always competes
-  fwd_winner = dataclasses.replace(mosaic.default_config(s), block_kv=64, stages=3,
-                                   persistent=False)
-  assert len(timed) == sum(c.stages != 4 for c in fwd) + len(bwd(fwd_winner))
-  assert mosaic_autotune.lookup(s) == cfg  # read back from the JSON file
+  base = mosaic.default_config(s)
+  cfg = tuner.tune(s, run, timer=timer, base=base)
+  assert (cfg.fwd, cfg.dkv.num_stages) == (winner, 3)
+  # The default competes first; every distinct candidate is timed once.
+  assert timed[0] == (base, False)
+  fwd = {base, *mosaic_autotune.forward_candidates(s, base)}
+  fwd_winner = dataclasses.replace(base, fwd=winner)
+  bwd = {fwd_winner, *mosaic_autotune.backward_candidates(s, fwd_winner)}
+  assert len(timed) == sum(c.fwd.num_stages != 4 for c in fwd) + len(bwd)
+  assert tuner.lookup(s) == cfg  # read back from the JSON file
   assert mosaic.resolve_config(s, None) == cfg
-  explicit = mosaic.MosaicConfig(block_kv=64, stages=2)
+  explicit = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=64))
   assert mosaic.resolve_config(s, explicit) == explicit
   other = spec_lib.abstract_spec(batch=1, seq_q=4096, seq_k=4096, heads_q=8,
                                  head_dim=64, dtype="bfloat16")
@@ -374,16 +390,16 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
 
 
 def test_autotune_candidates_are_valid_per_head_dim():
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   for d in (64, 96, 128, 256):
     s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=1024, heads_q=4, head_dim=d,
                                dtype="bfloat16")
     base = mosaic.default_config(s)
-    fwd, bwd = mosaic_autotune.candidates(s, base)
-    assert fwd[0] == base and len(set(fwd)) == len(fwd)
+    fwd = mosaic_autotune.forward_candidates(s, base)
+    assert base in fwd  # the default is among them (the driver drops repeats)
     assert all(isinstance(c, mosaic.MosaicConfig) for c in fwd)
     # D = 256 runs the Pallas-Triton backward: no Mosaic backward candidates.
-    assert bool(bwd(base)) == (d <= 128)
+    assert bool(mosaic_autotune.backward_candidates(s, base)) == (d <= 128)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
@@ -392,14 +408,14 @@ def test_autotune_on_gpu(tmp_path, monkeypatch):
   candidates on the device and caches a valid winner; the tuned call matches the
   reference, and a second call reads the cache."""
   from flashjax.common import reference
-  from flashjax.pallas_gpu import mosaic_autotune
+  from flashjax.pallas_gpu.mosaic import autotune as mosaic_autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE", "1")
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   ks = jax.random.split(jax.random.key(4), 3)
   q, k, v = (jax.random.normal(kk, (1, 1024, 4, 128), jnp.bfloat16) for kk in ks)
   out = mosaic.flash_attention(q, k, v, causal=True)
   s = spec_lib.canonicalize(q, k, v, causal=True)[1]
-  cfg = mosaic_autotune.lookup(s)
+  cfg = mosaic_autotune.TUNER.lookup(s)
   assert isinstance(cfg, mosaic.MosaicConfig)
   assert mosaic.resolve_config(s, None) == cfg
   ref = reference.attention(q.astype(jnp.float32), k.astype(jnp.float32),
@@ -429,9 +445,10 @@ def test_split_tail_matches_unsplit_and_reference(kw):
   if kw.pop("sinks", False):
     kw["sinks"] = jax.random.normal(ks[4], (hq, 1), jnp.float32)
   spec = spec_lib.canonicalize(q, k, v, **kw)[1]
-  on = dataclasses.replace(mosaic.default_config(spec), split_tail=True)
+  base = mosaic.default_config(spec)
+  on = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, split_tail=True))
   assert mosaic_blocks.tail_plan(mosaic.geometry(spec, on))
-  off = dataclasses.replace(on, split_tail=False)
+  off = dataclasses.replace(on, fwd=dataclasses.replace(on.fwd, split_tail=False))
 
   def run(attn, q, k, v):
     def loss(q, k, v):

@@ -11,15 +11,25 @@ import pytest
 import flashjax
 from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
                              spec, tolerances)
-from flashjax.pallas_gpu import pallas_triton, triton_tail
-from flashjax.pallas_gpu.triton_plan import KernelConfig, TritonConfig
+from flashjax.pallas_gpu import split_tail, tail_merge
+from flashjax.pallas_gpu.triton import pallas_triton
+from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig, TritonForward
 
 ON_GPU = jax.default_backend() == "gpu"
 # Paired (folded) causal forward programs too: the small-tile suite runs every
 # causal case through that launch, with odd and even q-block counts.
-SMALL = TritonConfig(fwd=KernelConfig(block_q=32, block_kv=16),
+SMALL = TritonConfig(fwd=TritonForward(block_q=32, block_kv=16, fold_causal=True),
                      dq=KernelConfig(block_q=16, block_kv=32),
-                     dkv=KernelConfig(block_q=32, block_kv=16), fold_causal=True)
+                     dkv=KernelConfig(block_q=32, block_kv=16))
+
+
+def with_forward(cfg, **fields):
+  """``cfg`` with its forward's tiles or launch flags replaced."""
+  return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, **fields))
+
+
+def tiles(c):
+  return c.block_q, c.block_kv, c.num_warps, c.num_stages
 
 
 class TestPallasTritonInterpret(conformance.ConformanceSuite):
@@ -60,12 +70,12 @@ class _FoldedLongTiles(conformance.ConformanceSuite):
 
   CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
                                      name="pallas-triton[gpu,folded]")
-  CONFIG = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=128, num_warps=8,
-                                         num_stages=3),
+  CONFIG = TritonConfig(fwd=TritonForward(block_q=128, block_kv=128, num_warps=8,
+                                          num_stages=3, fold_causal=True),
                         dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                         num_stages=2),
                         dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
-                                         num_stages=2), fold_causal=True)
+                                         num_stages=2))
 
   def attention(self, q, k, v, **kwargs):
     from flashjax.common import launch
@@ -98,7 +108,7 @@ def test_folded_causal_forward_on_gpu(name):
 
 
 def test_fold_applies_to_causal_bands_only():
-  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd, plan as triton_plan
   make = lambda **kw: spec.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
                                          head_dim=64, **kw)
   plan = lambda s, bq=32: triton_plan.Plan(s, bq, 16, bq, 16)
@@ -109,8 +119,8 @@ def test_fold_applies_to_causal_bands_only():
   assert not triton_fwd.folds(plan(make(causal=True), bq=256), True)  # one block
   d128 = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
                                       head_dim=128, dtype="bfloat16", causal=True)
-  assert pallas_triton.default_config(d128(8192)).fold_causal
-  assert not pallas_triton.default_config(d128(2048)).fold_causal
+  assert pallas_triton.default_config(d128(8192)).fwd.fold_causal
+  assert not pallas_triton.default_config(d128(2048)).fwd.fold_causal
 
 
 @pytest.mark.parametrize("seq", [160, 192])  # 5 and 6 q blocks of 32
@@ -125,7 +135,7 @@ def test_folded_forward_equals_one_program_per_block(seq):
       q, k, v, causal=True, bias=bias, segment_ids=(ids, ids), dropout_rate=0.2,
       dropout_seed=jnp.int32(3), return_lse=True, interpret=True, config=cfg)
   folded = run(SMALL)
-  plain = run(dataclasses.replace(SMALL, fold_causal=False))
+  plain = run(with_forward(SMALL, fold_causal=False))
   for a, b in zip(folded, plain):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -144,35 +154,42 @@ def test_config_validation():
     KernelConfig(block_q=48, block_kv=32)
   with pytest.raises(ValueError, match="num_warps"):
     KernelConfig(block_q=32, block_kv=32, num_warps=3)
-  with pytest.raises(ValueError, match="split_tail"):
-    TritonConfig(split_tail=1)
-  with pytest.raises(ValueError, match="tail_slots"):
-    TritonConfig(tail_slots=-1)
+  fwd = dict(block_q=32, block_kv=32)
+  with pytest.raises(ValueError, match="split_tail must be a bool, got 1"):
+    TritonForward(split_tail=1, **fwd)
+  with pytest.raises(ValueError, match="fold_causal must be a bool, got None"):
+    TritonForward(fold_causal=None, **fwd)
+  with pytest.raises(ValueError, match="tail_slots must be an int >= 0, got -1"):
+    TritonForward(tail_slots=-1, **fwd)
+  with pytest.raises(ValueError, match="fwd must be a TritonForward"):
+    TritonConfig(fwd=KernelConfig(**fwd))
+  # The cache's JSON form round-trips, forward class included.
+  assert TritonConfig.from_json(dataclasses.asdict(SMALL)) == SMALL
 
 
-# -- the forward's last wave split along the keys (triton_tail.py) -----------------
+# -- the forward's last wave split along the keys (split_tail.py) ------------------
 
 def test_split_tail_plan():
   # B2 S8k H16 with 128-row programs, one per SM of an H100/H200: the 68 programs
   # of the 16th wave run as five key ranges each (three rounds of a fifth).
-  tail = triton_tail.plan(2048, 132, 64)
+  tail = split_tail.plan(2048, 132, 64)
   assert (tail.full, tail.count, tail.parts, tail.units) == (1980, 68, 5, 2320)
-  assert triton_tail.plan(200, 132, 64) is None  # under two waves
-  assert triton_tail.plan(264, 132, 64) is None  # whole waves
-  assert triton_tail.plan(300, 132, 1) is None  # one key tile: nothing to split
+  assert split_tail.plan(200, 132, 64) is None  # under two waves
+  assert split_tail.plan(264, 132, 64) is None  # whole waves
+  assert split_tail.plan(300, 132, 1) is None  # one key tile: nothing to split
   # A tail of one program above 2 waves: as many parts as tiles, up to 8.
-  assert triton_tail.plan(265, 132, 3).parts == 3
-  assert triton_tail.plan(265, 132, 64).parts == triton_tail.MAX_PARTS
+  assert split_tail.plan(265, 132, 3).parts == 3
+  assert split_tail.plan(265, 132, 64).parts == split_tail.MAX_PARTS
   # Nearly full last waves do not pay: 130 programs in two parts take two rounds.
-  assert triton_tail.plan(394, 132, 64) is None
+  assert split_tail.plan(394, 132, 64) is None
   lo, hi = 3, 17
-  cuts = [triton_tail.key_range(lo, hi, p, 5) for p in range(5)]
+  cuts = [split_tail.key_range(lo, hi, p, 5) for p in range(5)]
   assert cuts[0][0] == lo and cuts[-1][1] == hi
   assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
 
 
 def test_split_tail_applies_to_equal_programs_only():
-  from flashjax.pallas_gpu import triton_fwd, triton_plan
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd, plan as triton_plan
   make = lambda **kw: spec.abstract_spec(batch=2, seq_q=512, seq_k=512, heads_q=3,
                                          head_dim=64, **kw)
   plan = lambda s: triton_plan.Plan(s, 32, 16, 32, 16)
@@ -183,7 +200,7 @@ def test_split_tail_applies_to_equal_programs_only():
   assert triton_fwd.splits_tail(plan(make(dropout_rate=0.1)), False, 5) is None
   d128 = lambda s, **kw: pallas_triton.default_config(spec.abstract_spec(
       batch=1, seq_q=s, seq_k=s, heads_q=2, head_dim=128, dtype="bfloat16", **kw))
-  assert d128(8192).split_tail and not d128(2048).split_tail
+  assert d128(8192).fwd.split_tail and not d128(2048).fwd.split_tail
 
 
 def test_split_tail_lowers_for_cuda():
@@ -202,7 +219,7 @@ def test_split_tail_lowers_for_cuda():
   assert "tensor<68x5x128x128xf32>" in text
 
 
-SPLIT = dataclasses.replace(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
+SPLIT = with_forward(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
 
 
 @pytest.mark.parametrize("dtype,combine_rows", [("float32", 32), ("bfloat16", 32),
@@ -213,7 +230,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   differs), with the features that index by key tile (bias columns, mask,
   segment ids), a soft cap, grouped heads and padded keys; with 16 merge rows,
   each 32-row tail block is merged by two programs."""
-  monkeypatch.setattr(triton_tail, "COMBINE_ROWS", combine_rows)
+  monkeypatch.setattr(tail_merge, "COMBINE_ROWS", combine_rows)
   ks = jax.random.split(jax.random.key(7), 5)
   sq, sk = 200, 237  # 7 q blocks of 32, 15 key tiles of 16 (padded)
   q = jax.random.normal(ks[0], (2, sq, 4, 48), jnp.float32).astype(dtype)
@@ -226,7 +243,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   run = lambda cfg: pallas_triton.flash_attention(
       q, k, v, bias=bias, mask=mask, segment_ids=(ids_q, ids_k), logits_soft_cap=30.0,
       return_lse=True, interpret=True, config=cfg)
-  split, whole = run(SPLIT), run(dataclasses.replace(SPLIT, split_tail=False))
+  split, whole = run(SPLIT), run(with_forward(SPLIT, split_tail=False))
   for a, b in zip(split, whole):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(a).all() and np.abs(b).max() > 0
@@ -278,14 +295,14 @@ SPLIT_GPU_CASES = {
 @pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
 def test_split_tail_forward_on_gpu(name):
   from flashjax.common import hardware
-  from flashjax.pallas_gpu import triton_fwd
+  from flashjax.pallas_gpu.triton import fwd as triton_fwd
   case = SPLIT_GPU_CASES[name]
   s = spec.abstract_spec(batch=case.batch, seq_q=case.seq_q, seq_k=case.seq_k,
                          heads_q=case.heads_q, heads_kv=case.heads_kv,
                          head_dim=case.head_dim, dtype=case.dtype)
   cfg = pallas_triton.default_config(s)
   plan = pallas_triton.tp.make_plans(s, cfg)["fwd"]
-  assert cfg.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
+  assert cfg.fwd.split_tail and triton_fwd.splits_tail(plan, False, hardware.num_sms())
   TestPallasTritonGpu().check(case)
 
 
@@ -309,16 +326,17 @@ def test_frontend_runs_it_in_interpret_mode():
 
 def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   import functools
-  from flashjax.pallas_gpu import autotune
+  from flashjax.common import autotune as common_autotune
+  from flashjax.pallas_gpu.triton import autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=32,
                          dtype="float32", causal=True)
-  assert autotune.lookup(s) is None
+  assert autotune.TUNER.lookup(s) is None
   fwd_times = iter([5.0, 3.0, 9.0, 4.0, 7.0, 8.0])
   bwd_times = iter([2.0, 1.0, 3.0])
   timer = lambda fn, args: next(bwd_times if len(args) == 3 and getattr(
       fn, "_grad", False) else fwd_times)
-  run = autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
+  run = common_autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
                                                  interpret=True))
 
   def marked(cfg, with_grad):
@@ -328,22 +346,24 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     return fn, args
 
   # A base equal to the first candidates keeps the candidate order as listed.
-  base = TritonConfig(fwd=autotune.FWD_CANDIDATES[0], dq=autotune.BWD_CANDIDATES[0][0],
+  first = TritonForward(**dataclasses.asdict(autotune.FWD_CANDIDATES[0]))
+  base = TritonConfig(fwd=first, dq=autotune.BWD_CANDIDATES[0][0],
                       dkv=autotune.BWD_CANDIDATES[0][1])
-  cfg = autotune.tune(s, marked, timer=timer, base=base)
-  assert cfg.fwd == autotune.FWD_CANDIDATES[1]
+  cfg = autotune.TUNER.tune(s, marked, timer=timer, base=base)
+  assert type(cfg.fwd) is TritonForward
+  assert tiles(cfg.fwd) == tiles(autotune.FWD_CANDIDATES[1])
   assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
-  assert autotune.lookup(s) == cfg  # read back from the JSON file
+  assert autotune.TUNER.lookup(s) == cfg  # read back from the JSON file
   assert pallas_triton.resolve_config(s, None, interpret=True) == cfg
   other = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=64,
                              dtype="float32", causal=True)
-  assert autotune.shape_class(other) != autotune.shape_class(s)
+  assert common_autotune.shape_class(other) != common_autotune.shape_class(s)
   assert pallas_triton.resolve_config(other, None, interpret=True) == (
       pallas_triton.default_config(other))
 
 
 def test_autotune_candidates_follow_head_dim_and_include_the_default():
-  from flashjax.pallas_gpu import autotune
+  from flashjax.pallas_gpu.triton import autotune
   wide = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=256)
   narrow = spec.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=128)
   assert autotune.candidates(wide) == (autotune.WIDE_FWD_CANDIDATES,
@@ -358,7 +378,7 @@ def test_autotune_candidates_follow_head_dim_and_include_the_default():
     raise RuntimeError("does not fit")  # every candidate fails: tune must say so
 
   with pytest.raises(NotImplementedError, match="no candidate ran"):
-    autotune.tune(wide, run, timer=lambda fn, args: 1.0, base=base)
+    autotune.TUNER.tune(wide, run, timer=lambda fn, args: 1.0, base=base)
   assert seen[0] == (False, base)  # the default is timed first
 
 
@@ -402,7 +422,7 @@ def test_bias_and_mask_tiles_count_in_the_shared_memory_fit():
 def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
   """The inline ex2.approx.ftz PTX is for compiled kernels; the interpreter (which
   has no PTX) gets jnp.exp2. The compiled path is checked by the GPU class."""
-  from flashjax.pallas_gpu import triton_plan
+  from flashjax.pallas_gpu.triton import plan as triton_plan
   seen = []
   make = triton_plan.make_plans
   monkeypatch.setattr(triton_plan, "make_plans", lambda *a, **kw: (
@@ -421,7 +441,7 @@ def test_fast_exp2_only_in_compiled_kernels(monkeypatch):
 
 
 def test_d128_forward_tiles_follow_the_key_length():
-  from flashjax.pallas_gpu import autotune
+  from flashjax.pallas_gpu.triton import autotune
   make = lambda s: spec.abstract_spec(batch=1, seq_q=s, seq_k=s, heads_q=2,
                                       head_dim=128, dtype="bfloat16")
   short, long = (pallas_triton.default_config(make(s)).fwd for s in (2048, 8192))
@@ -429,7 +449,8 @@ def test_d128_forward_tiles_follow_the_key_length():
       128, 64, 4, 2)
   assert (long.block_q, long.block_kv, long.num_warps, long.num_stages) == (
       128, 128, 8, 3)
-  assert short in autotune.FWD_CANDIDATES and long in autotune.FWD_CANDIDATES
+  candidates = [tiles(c) for c in autotune.FWD_CANDIDATES]
+  assert tiles(short) in candidates and tiles(long) in candidates
 
 
 # Wide heads take 64x64 backward tiles over 8 warps (half the accumulator
@@ -509,11 +530,11 @@ def test_default_tiles_fit_every_generation(dtype):
         assert (long_tiles and d == 128 and dtype == "bfloat16") == (
             target.hopper and d == 128 and dtype == "bfloat16" and bias is None), (
                 target.name, d, p.fwd)
-        assert not p.split_tail or target.hopper
+        assert not p.fwd.split_tail or target.hopper
 
 
 class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
-  """The Pallas-Triton KV-cache kernel (pallas_gpu/triton_kvcache.py) in interpret
+  """The Pallas-Triton KV-cache kernel (pallas_gpu/triton/kvcache.py) in interpret
   mode where it applies; the rest (pages under 16 positions, other head dims) runs
   the xla path through the same dispatch."""
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flashjax.common import reference, spec as spec_lib
-from flashjax.pallas_gpu import pallas_triton, triton_decode
+from flashjax.pallas_gpu.triton import decode as triton_decode, pallas_triton
 
 CASES = [
     dict(sq=1, sk=300, hq=8, hkv=2),

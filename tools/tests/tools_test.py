@@ -3,6 +3,7 @@ the CPU step-cost model (no GPU needed)."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flashjax.common.shapes import get
 
@@ -10,7 +11,7 @@ from flashjax.common.shapes import get
 def test_pallas_triton_sweep_parses_candidates():
   import jax
   from tools import pallas_triton_sweep
-  from flashjax.pallas_gpu import pallas_triton
+  from flashjax.pallas_gpu.triton import pallas_triton
   q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
   cfg = pallas_triton_sweep._config("128,64,8,4", q, q, q, causal=True)
   assert (cfg.fwd.block_q, cfg.fwd.block_kv, cfg.fwd.num_warps,
@@ -18,14 +19,30 @@ def test_pallas_triton_sweep_parses_candidates():
   default = pallas_triton_sweep._config("-", q, q, q, causal=False)
   assert cfg.dq == default.dq and cfg.dkv == default.dkv
   assert default.fwd.block_kv == 128
-  assert default.fold_causal and cfg.fold_causal  # the long-key default folds
+  assert default.fwd.fold_causal and cfg.fwd.fold_causal  # the long-key default folds
+  tiles = lambda c: (c.fwd.block_q, c.fwd.block_kv, c.fwd.num_warps, c.fwd.num_stages)
   off = pallas_triton_sweep._config("-,nofold", q, q, q, causal=True)
-  assert not off.fold_causal and off.fwd == default.fwd
+  assert not off.fwd.fold_causal and tiles(off) == tiles(default)
   on = pallas_triton_sweep._config("128,64,4,2,fold", q, q, q, causal=True)
-  assert on.fold_causal and on.fwd.num_warps == 4
-  assert default.split_tail  # long keys at 2 bytes split the forward's last wave
+  assert on.fwd.fold_causal and on.fwd.num_warps == 4
+  assert default.fwd.split_tail  # long keys at 2 bytes split the forward's last wave
   both = pallas_triton_sweep._config("-,nofold,nosplit", q, q, q, causal=False)
-  assert not both.fold_causal and not both.split_tail and both.fwd == default.fwd
+  assert not both.fwd.fold_causal and not both.fwd.split_tail
+  assert tiles(both) == tiles(default)
+
+
+def test_mosaic_sweep_parses_candidates():
+  from tools import mosaic_sweep
+  from flashjax.pallas_gpu import mosaic
+  assert mosaic_sweep.config("-") == mosaic.MosaicConfig()
+  cfg = mosaic_sweep.config("fwd.block_kv=64,fwd.num_stages=3,fwd.persistent=0,"
+                            "dq.block_kv=128,dkv.num_stages=3,bwd_one_launch=0")
+  assert cfg == mosaic.MosaicConfig(
+      fwd=mosaic.MosaicForward(block_kv=64, num_stages=3, persistent=False),
+      dq=mosaic.MosaicDq(block_kv=128), dkv=mosaic.MosaicDkv(num_stages=3),
+      bwd_one_launch=False)
+  with pytest.raises(TypeError):
+    mosaic_sweep.config("stages=3")  # the old flat field names
 
 
 def test_sweep_rows_time_candidates_against_the_baseline(capsys):
@@ -102,7 +119,7 @@ def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
 
 def test_cpu_step_costs_counts_the_causal_schedule():
   from tools import cpu_step_costs as c
-  from flashjax.xla_cpu.config import XlaConfig
+  from flashjax.xla_cpu.config import BlockSizes, XlaConfig
   # 512x256 blocks at S = 2048: 4 q blocks x 8 kv blocks; q block i runs 2i
   # interior steps, one masked full step and one half-height step.
   assert c.causal_steps(2048) == (16, 4, 32)
@@ -110,7 +127,8 @@ def test_cpu_step_costs_counts_the_causal_schedule():
   assert c.causal_floor(2048, 2.0, 2.0) == 20 / 32
   assert c.causal_steps(4096) == (64, 8, 128)
   # Odd-sized blocks: no half-height steps.
-  full, half, total = c.causal_steps(64, XlaConfig(block_q=15, block_kv=16))
+  full, half, total = c.causal_steps(64, XlaConfig(fwd=BlockSizes(block_q=15,
+                                                                  block_kv=16)))
   assert half == 0 and 0 < full < total
 
 

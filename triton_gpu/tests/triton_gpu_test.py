@@ -169,9 +169,9 @@ def test_blocksize_environment_variables(monkeypatch):
 
 def test_config_validation():
   with pytest.raises(ValueError, match="block_q must be a power of two"):
-    plan.Launch(block_q=48, block_kv=32)
+    plan.KernelConfig(block_q=48, block_kv=32)
   with pytest.raises(ValueError, match="fp32_precision"):
-    plan.TritonKernelsConfig(fp32_precision="bf16")
+    plan.KernelsConfig(fp32_precision="bf16")
 
 
 def test_import_of_the_frontend_does_not_import_triton():
@@ -192,14 +192,14 @@ def test_seed_environment_variables_on_gpu(tmp_path):
 
 
 def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monkeypatch):
-  from flashjax.pallas_gpu import autotune as pt_autotune
+  from flashjax.pallas_gpu.triton import autotune as pt_autotune
   from flashjax.triton_gpu import autotune
   monkeypatch.setenv("FLASHJAX_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
   s = _spec(seq_q=64, seq_k=64, head_dim=64, causal=True)
-  assert autotune.CACHE.lookup(s) is None
-  base = plan.TritonKernelsConfig(fwd=autotune.FWD_CANDIDATES[0],
-                                  dq=autotune.BWD_CANDIDATES[0][0],
-                                  dkv=autotune.BWD_CANDIDATES[0][1])
+  assert autotune.TUNER.lookup(s) is None
+  base = plan.KernelsConfig(fwd=autotune.FWD_CANDIDATES[0],
+                            dq=autotune.BWD_CANDIDATES[0][0],
+                            dkv=autotune.BWD_CANDIDATES[0][1])
   fwd_times = {c: t for c, t in zip(autotune.FWD_CANDIDATES, [5.0, 9.0, 2.0, 7.0, 8.0])}
   bwd_times = {c: t for c, t in zip(autotune.BWD_CANDIDATES, [3.0, 1.0, 4.0])}
 
@@ -210,16 +210,18 @@ def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monk
       raise RuntimeError("out of shared memory")  # skipped, not fatal
     return (lambda: fwd_times[cfg.fwd]), ()
 
-  cfg = autotune.tune(s, run, timer=lambda fn, args: fn(), base=base)
+  cfg = autotune.TUNER.tune(s, run, timer=lambda fn, args: fn(), base=base)
   assert cfg.fwd == autotune.FWD_CANDIDATES[2]
   assert (cfg.dq, cfg.dkv) == autotune.BWD_CANDIDATES[1]
-  assert autotune.CACHE.lookup(s) == cfg  # read back from the JSON file
-  assert autotune.resolve_config(s, None, None, on_gpu=False) == cfg
+  assert autotune.TUNER.lookup(s) == cfg  # read back from the JSON file
+  resolve = lambda s: autotune.TUNER.resolve(s, None, attention=None,
+                                             default=triton_gpu.default_config(s),
+                                             may_tune=False)
+  assert resolve(s) == cfg
   # Pallas-Triton shares the file under its own keys: no cross-talk.
-  assert pt_autotune.lookup(s) is None
+  assert pt_autotune.TUNER.lookup(s) is None
   other = _spec(seq_q=64, seq_k=64, head_dim=128)
-  assert autotune.resolve_config(other, None, None, on_gpu=False) == (
-      triton_gpu.default_config(other))
+  assert resolve(other) == triton_gpu.default_config(other)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..common import spec as spec_lib
-from ..common import autotune as tuning
-from ..common import epilogue, hardware, launch, platform, vjp
-from . import autotune, triton_bwd, triton_decode, triton_fwd
-from . import triton_plan as tp
-from .triton_plan import KernelConfig, TritonConfig
+from ...common import spec as spec_lib
+from ...common import epilogue, hardware, launch, platform, vjp
+from . import autotune, bwd, decode, fwd
+from . import plan as tp
+from .plan import KernelConfig, TritonConfig, TritonForward
 
 NAME = "pallas-triton"
 CONFIG = TritonConfig
@@ -46,8 +45,8 @@ def default_config(spec: spec_lib.AttentionSpec,
   d = max(spec.head_dim, spec.head_dim_v)
   if d <= 64:
     # Folded causal programs: 1.52x JAX's example vs 1.44-1.48x at B2 S8k (one run).
-    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64, num_warps=4,
-                                        num_stages=3), fold_causal=spec.seq_k > 2048)
+    cfg = TritonConfig(fwd=TritonForward(block_q=128, block_kv=64, num_warps=4,
+                                         num_stages=3, fold_causal=spec.seq_k > 2048))
   elif d <= 128:
     # The H200 autotune winner for D = 128 at S >= 8k; keys up to 2k run better
     # in 4-warp 128x64 programs with 2 stages, two per SM (1.22x JAX's example
@@ -59,18 +58,18 @@ def default_config(spec: spec_lib.AttentionSpec,
     # Other generations keep the short-key tiles: the long ones were measured on
     # Hopper only, and need its shared memory.
     short = spec.seq_k <= 2048 or not target.hopper
-    cfg = TritonConfig(fwd=KernelConfig(block_q=128, block_kv=64 if short else 128,
-                                        num_warps=4 if short else 8,
-                                        num_stages=2 if short else 3),
-                       fold_causal=not short,
-                       split_tail=not short and spec.dtype != "float32",
+    split = not short and spec.dtype != "float32"
+    cfg = TritonConfig(fwd=TritonForward(block_q=128, block_kv=64 if short else 128,
+                                         num_warps=4 if short else 8,
+                                         num_stages=2 if short else 3,
+                                         fold_causal=not short, split_tail=split),
                        dq=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                        num_stages=2),
                        dkv=KernelConfig(block_q=64, block_kv=64, num_warps=4,
                                         num_stages=2))
   else:
-    cfg = TritonConfig(fwd=KernelConfig(block_q=64, block_kv=32, num_warps=4,
-                                        num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
+    cfg = TritonConfig(fwd=TritonForward(block_q=64, block_kv=32, num_warps=4,
+                                         num_stages=2), dq=WIDE_BWD, dkv=WIDE_BWD)
   return launch.fit_to_shared_memory(launch.fit_to_lengths(cfg, spec), spec,
                                      budget=launch.streamed_budget(target))
 
@@ -80,15 +79,15 @@ config_from_block_sizes = platform.block_sizes(default_config, ("fwd",))
 
 
 def forward(ops, spec, static: platform.Static):
-  if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, None,
-                                 hardware.num_sms(), static.interpret)
+  if decode.applies(spec):
+    return decode.forward(ops, spec, None,
+                          hardware.num_sms(), static.interpret)
   cfg = static.config
   plans = tp.make_plans(spec, cfg, fast_exp2=not static.interpret)
   plan = plans["fwd"]
-  slots = (cfg.tail_slots or hardware.num_sms()) if cfg.split_tail else 0
-  out, lse = triton_fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
-                                cfg.fold_causal, slots, tp.visible_blocks(ops, plan))
+  slots = (cfg.fwd.tail_slots or hardware.num_sms()) if cfg.fwd.split_tail else 0
+  out, lse = fwd.forward(tp.prepare(ops, plan), plan, cfg.fwd, static.interpret,
+                         cfg.fwd.fold_causal, slots, tp.visible_blocks(ops, plan))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -100,7 +99,7 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   do_k = jnp.pad(do.astype(ops.q.dtype), ((0, 0), (0, sqp - spec.seq_q), (0, 0),
                                           (0, plans["dq"].head_dim_v_padded -
                                            spec.head_dim_v)))
-  dq, dk, dv, ds = triton_bwd.backward(
+  dq, dk, dv, ds = bwd.backward(
       x, plans["dq"], plans["dkv"], static.config.dq, static.config.dkv, do_k,
       lse_rows, delta_rows, static.interpret,
       tp.visible_blocks(ops, plans["dq"]),
@@ -119,9 +118,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
 def resolve_config(spec, config: TritonConfig | None, interpret: bool) -> TritonConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (common/autotune.py)."""
-  return tuning.resolve(spec, config, cache=autotune.CACHE, tune=autotune.tune,
-                        attention=flash_attention, default=default_config(spec),
-                        may_tune=not interpret)
+  return autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                default=default_config(spec), may_tune=not interpret)
 
 
 def attention_from_operands(ops, spec, config: TritonConfig | None = None,

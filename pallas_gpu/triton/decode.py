@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import epilogue, hardware
-from ..common.blocking import LN2, LOG2E
-from ..common import spec as spec_lib
+from ...common import epilogue, hardware
+from ...common.blocking import LN2, LOG2E
+from ...common import spec as spec_lib
 
 # Rows of the packed q tile: the fp32 accumulator of 64 rows x 128 columns is 64
 # registers per thread over 4 warps.
@@ -142,7 +142,7 @@ def run_split(q, o_ref, lse_ref, j0, j1, tile, *, spec, rows, precision):
   its normalised partial output and lse (natural log, -inf if it saw no key).
   ``tile(j) -> (k, v, ok)`` loads tile ``j`` and its ``[rows, block]`` mask; the
   values of masked keys must already be finite (they meet p = 0 in the product).
-  Shared by this kernel and the KV-cache one (triton_kvcache.py)."""
+  Shared by this kernel and the KV-cache one (kvcache.py)."""
   cap = spec.logits_soft_cap
   # With a cap the logits are scaled before tanh; without, the scale rides in the
   # exp2 argument.

@@ -1,6 +1,6 @@
 """Pallas-Triton split-KV decode over a KV cache (``flash_mha_with_kvcache``).
 
-The decode kernel of triton_decode.py, reading a cache instead of ``[B, Sk, ..]``
+The decode kernel of decode.py, reading a cache instead of ``[B, Sk, ..]``
 keys: each program reads its batch row's key range ``[lo, hi)`` (leftpad, length,
 window: ``common.kvcache.key_range``), its cache row (``cache_batch_idx``) or the
 pages of its row (``page_table``) as scalars, and loads whole key tiles from that
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import epilogue
-from ..common import kvcache as kv
-from . import triton_decode as td
+from ...common import epilogue
+from ...common import kvcache as kv
+from . import decode as td
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -56,7 +56,7 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
-  """triton_decode's tiles, and the call's ``num_splits`` (0 = automatic, 1 =
+  """decode.py's tiles, and the call's ``num_splits`` (0 = automatic, 1 =
   none, FlashAttention's meaning). Pages under 64 positions make 16- or 32-key
   tiles, which need deeper pipelines: on an H200 (2026-11-24, bf16, GQA 32:8, D =
   128, pages of 16) 6 stages over 2 warps read 3968 / 3141 / 2800 GB/s at B64
@@ -130,7 +130,7 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
   (rotated, appended) cache."""
   cfg = config or td.fit(default_config(spec), spec, _rows(spec))
   if not isinstance(cfg, td.DecodeConfig):
-    raise ValueError("config must be a pallas_gpu.triton_decode.DecodeConfig, got "
+    raise ValueError("config must be a pallas_gpu.triton.decode.DecodeConfig, got "
                      f"{type(cfg).__name__}")
   b, hkv, d, dv = spec.batch, spec.heads_kv, spec.head_dim, spec.head_dim_v
   rows, bk = _rows(spec), _block_kv(spec, cfg)

@@ -10,19 +10,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common import dropout as dropout_lib
-from ..common import segments
-from ..common import blocking
-from ..common.blocking import LOG2E, pad_axis, pad_broadcastable
-from ..common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
-from ..common.mask import tile_allowed
-from ..common.spec import AttentionSpec, Operands
+from ...common import dropout as dropout_lib
+from ...common import segments
+from ...common import blocking
+from ...common.blocking import LOG2E, pad_axis, pad_broadcastable
+from ...common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
+from ...common.mask import tile_allowed
+from ...common.spec import AttentionSpec, Operands
 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TritonConfig(KernelsConfig):
-  """The tiles of common/launch.py plus the Pallas-Triton forward's launch order.
+class TritonForward(KernelConfig):
+  """The forward kernel's tiles (common/launch.py) and launch order.
 
   ``fold_causal``: with a causal band (keys up to the diagonal, any offset, no left
   window edge) each forward program runs q block ``n - 1 - p`` and then block
@@ -33,7 +33,7 @@ class TritonConfig(KernelsConfig):
 
   ``split_tail``: a non-causal forward (full band, no dropout) whose programs fill
   two or more waves runs each program of the last, partial wave as a few key-range
-  parts, combined after the launch (triton_tail.py). ``tail_slots``: programs
+  parts, combined after the launch (split_tail.py). ``tail_slots``: programs
   that run at once (0: one per SM of the default device, which is what the long-key
   D <= 128 tiles of default_config occupy).
   """
@@ -44,10 +44,26 @@ class TritonConfig(KernelsConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    if not isinstance(self.split_tail, bool):
-      raise ValueError(f"split_tail must be a bool, got {self.split_tail!r}")
-    if not isinstance(self.tail_slots, int) or self.tail_slots < 0:
+    for name in ("fold_causal", "split_tail"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.tail_slots, int) or isinstance(self.tail_slots, bool) or (
+        self.tail_slots < 0):
       raise ValueError(f"tail_slots must be an int >= 0, got {self.tail_slots!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonConfig(KernelsConfig):
+  """The forward (:class:`TritonForward`), dq and dkv kernels of
+  common/launch.py."""
+
+  fwd: TritonForward = TritonForward(block_q=128, block_kv=64, num_warps=4,
+                                     num_stages=3)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if type(self.fwd) is not TritonForward:
+      raise ValueError(f"fwd must be a TritonForward, got {self.fwd!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import compat
+from ...common import compat
 
 
 def produce(lo_c, hi_c, stages: int, loads):

@@ -1,7 +1,7 @@
 """Entry point of the Pallas Mosaic-GPU platform (Hopper).
 
-Forward: the warp-specialised kernel of mosaic_fwd.py. Backward: the Mosaic-GPU
-dQ and dK/dV kernels of mosaic_bwd.py for head dims up to 128 (at 256 the dK and
+Forward: the warp-specialised kernel of fwd.py. Backward: the Mosaic-GPU
+dQ and dK/dV kernels of bwd.py for head dims up to 128 (at 256 the dK and
 dV register accumulators do not fit), Pallas-Triton's backward above that; both
 take this forward's output and lse. Segment ids narrow every kernel's walk to the
 blocks the ids leave visible (common/segments.py). A bias or dense mask over
@@ -20,14 +20,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..common import autotune as tuning
-from ..common import epilogue, hardware, platform, segments, vjp
-from ..common import spec as spec_lib
-from . import mosaic_autotune, pallas_triton, triton_decode
-from .mosaic_blocks import Geometry
-from .mosaic_config import (BIAS_BLOCK_KV, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
-                            default_config, has_additive_tile, padded_head_dim,
-                            uses_mosaic_backward)
+from ...common import epilogue, hardware, platform, segments, vjp
+from ...common import spec as spec_lib
+from ..triton import decode, pallas_triton
+from . import autotune
+from .blocks import Geometry
+from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
+                     MosaicDkv, MosaicDq, MosaicForward, default_config,
+                     has_additive_tile, padded_head_dim, uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
 CONFIG = MosaicConfig
@@ -59,20 +59,21 @@ def supported(spec: spec_lib.AttentionSpec) -> str | None:
 
 def geometry(spec, config: MosaicConfig) -> Geometry:
   d = padded_head_dim(spec)
-  tile = 2 * config.block_q
-  persistent = config.persistent
+  fwd = config.fwd
+  tile = 2 * fwd.block_q
+  persistent = fwd.persistent
   if persistent is None:
     # Packed documents make tiles uneven like a causal band does.
     persistent = spec.band.is_full and not spec.has_segment_ids
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // tile) * tile,
-      seq_k_padded=-(-spec.seq_k // config.block_kv) * config.block_kv,
+      seq_k_padded=-(-spec.seq_k // fwd.block_kv) * fwd.block_kv,
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
-      block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+      block_q=fwd.block_q, block_kv=fwd.block_kv, num_stages=fwd.num_stages,
       dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
-      split_tail=config.split_tail and not spec.has_segment_ids,
+      split_tail=fwd.split_tail and not spec.has_segment_ids,
       segments=spec.has_segment_ids)
 
 
@@ -81,8 +82,9 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
   the same padded operands."""
   d = padded_head_dim(spec)
   lcm = lambda a, b: a * b // math.gcd(a, b)
-  q_tile = lcm(2 * config.block_q, config.dkv_block_q)
-  k_tile = lcm(config.dq_block_kv, 2 * config.dkv_block_kv)
+  dq, dkv = config.dq, config.dkv
+  q_tile = lcm(2 * dq.block_q, dkv.block_q)
+  k_tile = lcm(dq.block_kv, 2 * dkv.block_kv)
   common = dict(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=-(-spec.seq_q // q_tile) * q_tile,
@@ -90,10 +92,10 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
       segments=spec.has_segment_ids)
-  return (Geometry(block_q=config.block_q, block_kv=config.dq_block_kv,
-                   stages=config.dq_stages, **common),
-          Geometry(block_q=config.dkv_block_q, block_kv=config.dkv_block_kv,
-                   stages=config.dkv_stages, **common))
+  return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
+                   **common),
+          Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,
+                   num_stages=dkv.num_stages, **common))
 
 
 def additive_tile(ops, spec, g: Geometry):
@@ -144,16 +146,16 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
 
 def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
-  # over the SMs instead (triton_decode.py).
-  if triton_decode.applies(spec):
-    return triton_decode.forward(ops, spec, None,
-                                 hardware.num_sms(), False)
-  from . import mosaic_fwd  # imports Mosaic-GPU lowering only when used
+  # over the SMs instead (triton/decode.py).
+  if decode.applies(spec):
+    return decode.forward(ops, spec, None,
+                          hardware.num_sms(), False)
+  from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
-  out, lse = mosaic_fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
-                                _pad(ops.k, g.seq_k_padded, g.head_dim),
-                                _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                                segment_operands(ops, g), tile)
+  out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
+                         _pad(ops.k, g.seq_k_padded, g.head_dim),
+                         _pad(ops.v, g.seq_k_padded, g.head_dim), g,
+                         segment_operands(ops, g), tile)
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -161,21 +163,21 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if not uses_mosaic_backward(spec, static.config):
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
                                   out, lse, do, dlse)
-  from . import mosaic_bwd  # imports Mosaic-GPU lowering only when used
+  from . import bwd  # imports Mosaic-GPU lowering only when used
   g_dq, g_dkv = backward_geometries(spec, static.config)
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
   row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
-  stats = jnp.stack([lse_rows * mosaic_bwd.LOG2E, delta_rows], axis=2)
+  stats = jnp.stack([lse_rows * bwd.LOG2E, delta_rows], axis=2)
   stats = stats.astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
-    dq, dk, dv = mosaic_bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
+    dq, dk, dv = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
   else:
-    dq = mosaic_bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
-    dk, dv = mosaic_bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
+    dq = bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
+    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
@@ -191,11 +193,10 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
 
 def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
-  heuristic (mosaic_autotune.py, common/autotune.py)."""
-  return tuning.resolve(spec, config, cache=mosaic_autotune.CACHE,
-                        tune=mosaic_autotune.tune, attention=flash_attention,
-                        default=default_config(spec),
-                        may_tune=jax.default_backend() == "gpu")
+  heuristic (autotune.py, common/autotune.py)."""
+  return autotune.TUNER.resolve(spec, config, attention=flash_attention,
+                                       default=default_config(spec),
+                                       may_tune=jax.default_backend() == "gpu")
 
 
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
@@ -206,13 +207,16 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
     raise NotImplementedError("needs a Hopper GPU")
   explicit = config is not None
   config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
-  if has_additive_tile(spec) and (config.block_kv, config.stages) != (BIAS_BLOCK_KV, 2):
+  tiles = lambda c: (c.block_kv, c.num_stages)
+  if has_additive_tile(spec) and tiles(config.fwd) != tiles(BIAS_FORWARD):
     if explicit:
-      raise ValueError(f"with a bias or mask, block_kv must be {BIAS_BLOCK_KV} and "
-                       f"stages 2 (the additive tile shares shared memory with the "
-                       f"K/V ring), got block_kv={config.block_kv}, "
-                       f"stages={config.stages}")
-    config = dataclasses.replace(config, block_kv=BIAS_BLOCK_KV, stages=2)
+      raise ValueError(f"with a bias or mask, fwd.block_kv must be "
+                       f"{BIAS_FORWARD.block_kv} and fwd.num_stages "
+                       f"{BIAS_FORWARD.num_stages} (the additive tile shares shared "
+                       f"memory with the K/V ring), got fwd.block_kv="
+                       f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
+    config = dataclasses.replace(config, fwd=dataclasses.replace(
+        config.fwd, block_kv=BIAS_FORWARD.block_kv, num_stages=BIAS_FORWARD.num_stages))
   # The Pallas-Triton backward's tiles (D > 128) travel in the config.
   config = dataclasses.replace(config, backward=config.backward or
                                pallas_triton.resolve_config(spec, None, False))

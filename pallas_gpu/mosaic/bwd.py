@@ -43,11 +43,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import compat
-from ..common.blocking import LOG2E
-from ..common.mask import band_allowed
-from . import mosaic_pipeline
-from .mosaic_blocks import Geometry, cta_block_ranges, cta_q_ranges
+from ...common import compat
+from ...common.blocking import LOG2E
+from ...common.mask import band_allowed
+from . import pipeline
+from .blocks import Geometry, cta_block_ranges, cta_q_ranges
 
 
 def _probs(scores, lse2, g: Geometry):
@@ -74,8 +74,8 @@ def _segment_scoped(g: Geometry, own: int, streamed: int):
   (``own`` each) and of each ring slot (``streamed`` each)."""
   if not g.segments:
     return ()
-  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.stages, streamed), jnp.int32)),
-          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.stages)))
+  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
+          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.num_stages)))
 
 
 def _segment_parts(g: Geometry, seg, b_idx):
@@ -93,7 +93,7 @@ def _dkv_program(g: Geometry, dtype):
   ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), seg, *scoped)`` for
   key tile ``tile`` of one (query head, batch); ``seg``: the segment refs (kv
   ids, q ids, table), shared memory and barriers, or None."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, seg, smem,
              bars, free):
@@ -118,16 +118,16 @@ def _dkv_program(g: Geometry, dtype):
       plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
-        k_ids = mosaic_pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
-                                        plgpu.Layout.WGMMA.reduce(1))
+        k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
+                                 plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
 
       def q_ids(slot, load):
         if not g.segments:
           return None
-        return mosaic_pipeline.slot_ids(qid_bar, qid_smem, slot,
-                                        plgpu.Layout.WGMMA.reduce(0), load)
+        return pipeline.slot_ids(qid_bar, qid_smem, slot,
+                                 plgpu.Layout.WGMMA.reduce(0), load)
 
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
@@ -217,7 +217,7 @@ def _dkv_program(g: Geometry, dtype):
                                 qid_smem.at[slot], qid_bar.at[slot])
 
     # dO is released after dV and dP^T, Q and the row stats after dK.
-    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
+    pl.when(wg == 2)(lambda: pipeline.produce(
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q))))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -277,7 +277,7 @@ def _dq_program(g: Geometry, dtype):
   """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, dq, (tile,
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
   :func:`_dkv_program` with q ids first."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, seg, smem, bars,
              free):
@@ -303,16 +303,16 @@ def _dq_program(g: Geometry, dtype):
                               q_bar.at[3 * wg + 2])
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
-        q_ids = mosaic_pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
-                                        plgpu.Layout.WGMMA.reduce(1))
+        q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
+                                 plgpu.Layout.WGMMA.reduce(1))
       for i in range(3):
         plgpu.barrier_wait(q_bar.at[3 * wg + i])
 
       def kv_ids(slot, load):
         if not g.segments:
           return None
-        return mosaic_pipeline.slot_ids(kid_bar, kid_smem, slot,
-                                        plgpu.Layout.WGMMA.reduce(0), load)
+        return pipeline.slot_ids(kid_bar, kid_smem, slot,
+                                 plgpu.Layout.WGMMA.reduce(0), load)
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
@@ -372,14 +372,14 @@ def _dq_program(g: Geometry, dtype):
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    load_k, load_v = mosaic_pipeline.kv_loader(
+    load_k, load_v = pipeline.kv_loader(
         g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
         lax.div(h, jnp.int32(g.group)))
     if g.segments:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
-      load_k = mosaic_pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
+      load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
     # V is released after S and dP, K after the dQ product.
-    pl.when(wg == 2)(lambda: mosaic_pipeline.produce(
+    pl.when(wg == 2)(lambda: pipeline.produce(
         lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k))))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -17,9 +17,9 @@ otherwise. Without it, one CTA per tile (the hardware balances uneven causal
 tiles).
 
 Split tail (``MosaicConfig.split_tail``, full band, persistent): the last,
-partial round of q tiles runs as key-range parts (mosaic_blocks.unit_walk); a
+partial round of q tiles runs as key-range parts (blocks.unit_walk); a
 part stores its normalised output as a high and a low half in the input dtype
-and its lse in log2 units, and triton_tail.combine merges each tile's parts into
+and its lse in log2 units, and tail_merge.combine merges each tile's parts into
 the output and lse in place.
 
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
@@ -48,11 +48,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import compat
-from ..common.blocking import LOG2E
-from ..common.mask import band_allowed
-from . import mosaic_pipeline, triton_tail
-from .mosaic_blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
+from ...common import compat
+from ...common.blocking import LOG2E
+from ...common.mask import band_allowed
+from .. import tail_merge
+from . import pipeline
+from .blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                             unit_walk)
 
 
@@ -66,9 +67,9 @@ def separate_out_smem(g: Geometry) -> bool:
   not, the output is staged in Q's buffer and the next Q load waits for the store."""
   item = 2  # bf16/fp16
   q_bytes = 2 * g.block_q * g.head_dim * item
-  ring = 2 * g.stages * g.block_kv * g.head_dim * item
+  ring = 2 * g.num_stages * g.block_kv * g.head_dim * item
   if g.bias_dtype is not None:
-    ring += g.stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
+    ring += g.num_stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
@@ -79,7 +80,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
   (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
   operand ``[B|1, H|1, Sqp, Skp]``."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.stages
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
   ctas = g.num_ctas
@@ -136,8 +137,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(q_bar.at[wg])
         if g.segments:
-          q_ids = mosaic_pipeline.slot_ids(qid_bar, qid_smem, wg,
-                                           plgpu.Layout.WGMMA.reduce(1))
+          q_ids = pipeline.slot_ids(qid_bar, qid_smem, wg,
+                                    plgpu.Layout.WGMMA.reduce(1))
 
         def bias_tile(slot, load=True):
           """This warpgroup's rows of the slot's additive tile (fp32 logits units
@@ -153,8 +154,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           """The slot's kv ids, read before K's slot is released."""
           if not g.segments:
             return None
-          return mosaic_pipeline.slot_ids(kid_bar, kid_smem, slot,
-                                          plgpu.Layout.WGMMA.reduce(0), load)
+          return pipeline.slot_ids(kid_bar, kid_smem, slot,
+                                   plgpu.Layout.WGMMA.reduce(0), load)
 
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
@@ -277,7 +278,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           # A tail part: its normalised output as a high and a low half in the
           # input dtype (an fp32 staging buffer does not fit; the halves carry
           # ~16 bits) and its lse in log2 units, both through the usual staging
-          # buffers and TMA, for triton_tail.combine to merge with the tile's
+          # buffers and TMA, for tail_merge.combine to merge with the tile's
           # other parts. (Storing fp32 straight from registers to global memory
           # cost ~5-9 us per part on an H200, 2026-11-23.)
           o_hi, o_lo, lse_part = parts
@@ -313,17 +314,17 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
       def tile_body(it, base):
         t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas, visible)
         b_idx, h, _ = tile_coords(g, t)
-        load_k, load_v = mosaic_pipeline.kv_loader(
+        load_k, load_v = pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
             lax.div(h, jnp.int32(g.group)))
         if g.segments:
-          load_k = mosaic_pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
+          load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
         if g.bias_dtype is not None:
           load_k = with_bias(load_k, b_idx, h, tile_coords(g, t)[2])
 
         @pl.loop(lo_c, hi_c)
         def _step(s):
-          mosaic_pipeline.ring_fill(base + s - lo_c, stages, (
+          pipeline.ring_fill(base + s - lo_c, stages, (
               (k_free, lambda slot: load_k(s, slot)),
               (v_free, lambda slot: load_v(s, slot))))
 
@@ -403,5 +404,5 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
     return tile, b_idx, h
 
   # Normalised parts (no l): each weighs 2^(lse - max lse).
-  return triton_tail.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
-                             2 * bq, interpret=False)
+  return tail_merge.combine(out, lse, ((o_hi, o_lo), lse_part, None), tail, coords,
+                            2 * bq, interpret=False)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common.blocking import LOG2E
-from . import triton_plan as tp
-from .triton_fwd import in_specs, segment_specs, stages, tiles
+from ...common.blocking import LOG2E
+from . import plan as tp
+from .fwd import in_specs, segment_specs, stages, tiles
 
 
 def _p_ds(plan: tp.Plan, r, t, q, k, v, do, lse2, delta, q_ids, b, h, i, j,

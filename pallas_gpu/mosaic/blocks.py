@@ -12,9 +12,9 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from ..common import blocking
-from ..common.mask import Band
-from . import triton_tail
+from ...common import blocking
+from ...common.mask import Band
+from .. import split_tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +41,13 @@ class Geometry:
   soft_cap: float | None
   block_q: int
   block_kv: int
-  stages: int
+  num_stages: int
   dtype: str
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
   # Persistent full-band forward: run the last, partial round of tiles as key
-  # ranges (triton_tail.py) where the plan says it pays.
+  # ranges (split_tail.py) where the plan says it pays.
   split_tail: bool = False
   # Segment ids: the kernels take q and kv ids and a per-block table of the kv
   # (forward, dQ) or q (dK/dV) blocks the ids leave visible (segment_narrow).
@@ -101,12 +101,12 @@ def tile_coords(g: Geometry, t):
   return lax.div(rest, jnp.int32(g.heads_q)), lax.rem(rest, jnp.int32(g.heads_q)), tile
 
 
-def tail_plan(g: Geometry) -> triton_tail.Tail | None:
+def tail_plan(g: Geometry) -> split_tail.Tail | None:
   """The persistent forward's split of its last round of tiles along the keys, or
   None. Only for the full band, where every tile walks the same number of steps."""
   if not (g.split_tail and g.persistent_ctas and g.band.is_full):
     return None
-  return triton_tail.plan(g.num_tiles, g.num_ctas, g.seq_k_padded // g.block_kv)
+  return split_tail.plan(g.num_tiles, g.num_ctas, g.seq_k_padded // g.block_kv)
 
 
 def num_units(g: Geometry) -> int:
@@ -123,7 +123,7 @@ def tiles_of_cta(g: Geometry, cta):
 def unit_tile(g: Geometry, u):
   """The tile index (for :func:`tile_coords`) of forward work item ``u``."""
   tail = tail_plan(g)
-  return _i32(u) if tail is None else triton_tail.unit(tail, _i32(u))[1]
+  return _i32(u) if tail is None else split_tail.unit(tail, _i32(u))[1]
 
 
 def unit_walk(g: Geometry, u, seg=None):
@@ -140,10 +140,10 @@ def unit_walk(g: Geometry, u, seg=None):
     b_idx, _, tile = tile_coords(g, t)
     narrow = None if seg is None else (lambda i: seg(b_idx, i))
     return (t, jnp.bool_(True), _i32(0)) + cta_block_ranges(g, tile, narrow)
-  whole, t, part = triton_tail.unit(tail, _i32(u))
+  whole, t, part = split_tail.unit(tail, _i32(u))
   ranges, lo_c, hi_c = cta_block_ranges(g, tile_coords(g, t)[2])
   # A whole tile is its own single part.
-  k_lo, k_hi = triton_tail.key_range(lo_c, hi_c, part, jnp.where(whole, 1, tail.parts))
+  k_lo, k_hi = split_tail.key_range(lo_c, hi_c, part, jnp.where(whole, 1, tail.parts))
   ranges = [tuple(_clamp(x, k_lo, k_hi) for x in rg) for rg in ranges]
   return t, whole, part, ranges, k_lo, k_hi
 

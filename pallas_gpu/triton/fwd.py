@@ -1,5 +1,5 @@
 """Pallas-Triton forward kernel: grid (q blocks, B, Hq), one program per q tile
-(or per pair of q tiles for causal bands, TritonConfig.fold_causal), online
+(or per pair of q tiles for causal bands, TritonForward.fold_causal), online
 softmax in base 2 over the kv tiles the band reaches.
 
 The kv loop runs in three stages: edge tiles that the band (or the padded key
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common.blocking import LN2, LOG2E
-from . import triton_plan as tp
-from . import triton_tail
+from ...common.blocking import LN2, LOG2E
+from . import plan as tp
+from .. import split_tail, tail_merge
 
 
 def tiles(r: dict, plan: tp.Plan, i, j, bq: int, bk: int):
@@ -49,7 +49,7 @@ def stages(plan: tp.Plan, lo, lo_full, hi_full, hi, body, carry):
 
 
 def folds(plan: tp.Plan, fold_causal: bool) -> bool:
-  """Whether the forward pairs q blocks (TritonConfig.fold_causal): only for a
+  """Whether the forward pairs q blocks (TritonForward.fold_causal): only for a
   causal band, where q block i reaches i + 1 kv tiles and the pairs balance."""
   band = plan.spec.band
   return (fold_causal and band.left is None and band.right is not None
@@ -66,7 +66,7 @@ def _program_coords(plan: tp.Plan, p):
 def _kernel(*refs, plan: tp.Plan, names, fold: bool, tail):
   r = dict(zip(names, refs))
   if tail is not None:
-    whole, p, part = triton_tail.unit(tail, pl.program_id(0))
+    whole, p, part = split_tail.unit(tail, pl.program_id(0))
     i, b, h = _program_coords(plan, p)
     pl.when(whole)(lambda: _q_block(r, plan, i, False, b, h))
     pl.when(~whole)(lambda: _q_block(r, plan, i, False, b, h,
@@ -94,7 +94,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
   """Output and lse rows of q block i. ``sliced``: the q/o/lse/q_ids refs hold
   the whole sequence (folded launch), else just this block. ``part = (index,
   parts)``: only that share of the block's key tiles, written as fp32 partials
-  (triton_tail.py) instead of the output."""
+  (split_tail.py) instead of the output."""
   spec = plan.spec
   bq, bk = plan.block_q, plan.block_kv
   rows = pl.ds(i * bq, bq) if sliced else slice(None)
@@ -135,7 +135,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
   lo, lo_full, hi_full, hi = tp.narrow_to_segments(r, plan.kv_ranges(i), i)
   if part is not None:
-    lo, hi = triton_tail.key_range(lo, hi, *part)
+    lo, hi = split_tail.key_range(lo, hi, *part)
     lo_full, hi_full = (jnp.clip(x, lo, hi) for x in (lo_full, hi_full))
   acc, m, l = stages(plan, lo, lo_full, hi_full, hi, body, init)
   if part is not None:
@@ -185,20 +185,20 @@ def segment_specs(visible, batch_map):
 
 
 def splits_tail(plan: tp.Plan, fold: bool, slots: int):
-  """The key split of the last wave (TritonConfig.split_tail), or None: only for
+  """The key split of the last wave (TritonForward.split_tail), or None: only for
   equal programs (the full band, unfolded) without dropout, whose 1/(1 - rate)
   scaling the partials would skip."""
   if fold or not plan.spec.band.is_full or plan.spec.dropout_rate > 0:
     return None
   programs = plan.num_q_blocks * plan.spec.batch * plan.spec.heads_q
-  return triton_tail.plan(programs, slots, plan.num_kv_blocks)
+  return split_tail.plan(programs, slots, plan.num_kv_blocks)
 
 
 def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret,
             fold_causal: bool = False, tail_slots: int = 0, visible=None):
   """``out [B, Sqp, Hq, Dvp]`` (input dtype), ``lse [B, Hq, Sqp]`` (fp32, rows
   only, no sinks). ``tail_slots``: programs that run at once, > 0 to split the
-  last wave along the keys (triton_tail.py). ``visible``: per q block, the kv
+  last wave along the keys (split_tail.py). ``visible``: per q block, the kv
   blocks segment ids leave (tp.visible_blocks), or None."""
   spec = plan.spec
   bq, g = plan.block_q, spec.group_size
@@ -211,8 +211,8 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
   qi = (lambda i: 0) if fold else (lambda i: i)
   if tail is None:
     coords = lambda i, b, h: (i, b, h)
-  else:  # one grid axis of units (triton_tail.unit)
-    coords = lambda t: _program_coords(plan, triton_tail.unit(tail, t)[1])
+  else:  # one grid axis of units (split_tail.unit)
+    coords = lambda t: _program_coords(plan, split_tail.unit(tail, t)[1])
 
   def index(fn):
     return lambda *grid: fn(*coords(*grid))
@@ -239,7 +239,7 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
   grid = ((n + 1) // 2 if fold else n, spec.batch, spec.heads_q)
   if tail is not None:
     grid = (tail.units,)
-    part = lambda t: triton_tail.part_of(tail, t)
+    part = lambda t: split_tail.part_of(tail, t)
     names += ["part_acc", "part_m", "part_l"]
     rows = (tail.count, tail.parts, bq)
     out_shape += [jax.ShapeDtypeStruct(rows + (dvp,), jnp.float32),
@@ -258,5 +258,5 @@ def forward(x: tp.KernelOperands, plan: tp.Plan, cfg: tp.KernelConfig, interpret
   )(*(a for _, _, a in specs))
   if tail is None:
     return outs
-  return triton_tail.combine(outs[0], outs[1], outs[2:], tail,
-                             functools.partial(_program_coords, plan), bq, interpret)
+  return tail_merge.combine(outs[0], outs[1], outs[2:], tail,
+                            functools.partial(_program_coords, plan), bq, interpret)

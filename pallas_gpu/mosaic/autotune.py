@@ -1,0 +1,74 @@
+"""Autotuning of the Mosaic-GPU tiles, with a persistent cache (common/autotune.py).
+
+With ``FLASHJAX_AUTOTUNE=1`` (or ``TUNER.tune`` called directly) on a GPU, the first
+call of a shape class times the forward candidates (K/V block and pipeline depth
+for the head dim, crossed with the launch kind and the split tail) on random
+inputs of that shape, then the backward candidates (dQ and dK/dV tiles and
+pipeline depths, one launch or two) with the winning forward, and stores the
+winner in a JSON cache keyed by device kind and shape class. The default config
+competes in both rounds, so tuning never picks worse than the default as timed.
+Later calls, in this process or another, read the cache. The cache lives in
+``$FLASHJAX_AUTOTUNE_CACHE`` (default ``~/.cache/flashjax/pallas_mosaic_gpu.json``;
+keys start with ``mosaic|``, so the file can be shared with the other platforms).
+
+Only the Mosaic fields are tuned and cached; where the Pallas-Triton backward
+runs (D = 256), its tiles are resolved by that platform's own tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ...common import autotune as common
+from .config import (MosaicConfig, from_json, padded_head_dim, to_json,
+                     uses_mosaic_backward)
+
+# Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
+# shared memory (D = 256 leaves room for 64-key blocks in two stages only).
+FORWARD = {
+    64: (dict(block_kv=128, num_stages=3), dict(block_kv=128, num_stages=2),
+         dict(block_kv=64, num_stages=3), dict(block_kv=64, num_stages=4)),
+    128: (dict(block_kv=128, num_stages=2), dict(block_kv=64, num_stages=3),
+          dict(block_kv=64, num_stages=4), dict(block_kv=64, num_stages=2)),
+    256: (dict(block_kv=64, num_stages=2),),
+}
+# The split tail applies to persistent full-band launches only (blocks.py).
+LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
+          dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
+# Backward variants of the forward winner: (kernel, fields), kernel "" for the
+# config's own fields.
+BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
+            ("dkv", dict(num_stages=3)), ("dkv", dict(block_q=128)),
+            ("", dict(bwd_one_launch=False)))
+
+
+CACHE = common.JsonCache("pallas_mosaic_gpu", to_json,
+                         from_json, key_prefix="mosaic|")
+
+
+def forward_candidates(spec, best: MosaicConfig):
+  """``best`` with its forward's tiles and launch varied."""
+  d = padded_head_dim(spec)
+  return [dataclasses.replace(best, fwd=dataclasses.replace(best.fwd, **tiles, **launch))
+          for tiles in FORWARD[d] for launch in LAUNCH]
+
+
+def backward_candidates(spec, best: MosaicConfig):
+  """``best`` (the forward winner) with its backward kernels varied; none where
+  the Mosaic backward does not run."""
+  if not uses_mosaic_backward(spec, best):
+    return []
+
+  def vary(kernel, fields):
+    if not kernel:
+      return dataclasses.replace(best, **fields)
+    part = dataclasses.replace(getattr(best, kernel), **fields)
+    return dataclasses.replace(best, **{kernel: part})
+
+  return [vary(kernel, fields) for kernel, fields in BACKWARD]
+
+
+TUNER = common.Tuner(CACHE, lambda spec: (
+    common.Round(False, functools.partial(forward_candidates, spec)),
+    common.Round(True, functools.partial(backward_candidates, spec))))

@@ -1,0 +1,192 @@
+"""Tiles of the Pallas Mosaic-GPU platform (Hopper) and their default: imported by
+the platform's entry (mosaic.py) and its autotuning (autotune.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..triton.plan import TritonConfig
+
+HEAD_DIMS = (64, 128, 256)
+BACKWARD_KERNELS = ("mosaic", "triton")
+MOSAIC_BWD_MAX_HEAD_DIM = 128
+BIAS_MAX_HEAD_DIM = 128
+
+
+def _check_stages(cls, num_stages):
+  if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 2:
+    raise ValueError(f"{cls.__name__}: num_stages must be an int >= 2, got "
+                     f"{num_stages!r}")
+
+
+def _check_in(cls, name, value, allowed, why=""):
+  if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
+    raise ValueError(f"{cls.__name__}: {name} must be one of {allowed}{why}, got "
+                     f"{value!r}")
+
+
+# One wgmma M tile: the rows (forward, dQ) or keys (dK/dV) a compute warpgroup owns.
+WGMMA_M = (64,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicForward:
+  """The forward kernel's tiles and launch.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (a CTA owns two).
+    block_kv: keys per pipeline step.
+    num_stages: K/V shared-memory slots in flight.
+    persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
+      (False), or None: persistent unless the band is causal or a window (uneven
+      tiles balance better on the hardware scheduler).
+    split_tail: the persistent forward runs its last, partial round of q tiles
+      as key ranges merged by a small second kernel (tail_merge.py); applies to
+      the full band only, where the plan finds a split that pays. The default
+      config turns it on for D <= 64 with more than 2048 keys only. On an H200
+      (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward
+      4.8% faster; at D = 128 it was 1.1% faster at B2 S8k but 1.4% slower at
+      B8 S2k and mixed at B1 S16k, so it stays off there.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  persistent: bool | None = None
+  split_tail: bool = False
+
+  def __post_init__(self):
+    _check_in(type(self), "block_q", self.block_q, WGMMA_M, " (one wgmma M tile)")
+    _check_in(type(self), "block_kv", self.block_kv, (64, 128, 192, 256))
+    _check_stages(type(self), self.num_stages)
+    if self.persistent is not None and not isinstance(self.persistent, bool):
+      raise ValueError(f"MosaicForward: persistent must be None or a bool, got "
+                       f"{self.persistent!r}")
+    if not isinstance(self.split_tail, bool):
+      raise ValueError(f"MosaicForward: split_tail must be a bool, got "
+                       f"{self.split_tail!r}")
+
+
+# The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
+# blocks in two stages beside it in shared memory.
+BIAS_FORWARD = MosaicForward(block_kv=64, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicDq:
+  """The dQ kernel's tiles: ``block_q`` rows per compute warpgroup (a CTA owns
+  two), ``block_kv`` keys per pipeline step, ``num_stages`` K/V slots in
+  flight."""
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_in(type(self), "block_q", self.block_q, WGMMA_M, " (one wgmma M tile)")
+    _check_in(type(self), "block_kv", self.block_kv, (64, 128))
+    _check_stages(type(self), self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicDkv:
+  """The dK/dV kernel's tiles: ``block_kv`` keys per compute warpgroup (a CTA
+  owns two), ``block_q`` query rows per pipeline step, ``num_stages`` Q/dO slots
+  in flight."""
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def __post_init__(self):
+    # dK += dS^T Q contracts over the q rows: Mosaic-GPU wants 64-multiples (32
+    # once passed validation and failed inside Mosaic-GPU).
+    _check_in(type(self), "block_q", self.block_q, (64, 128))
+    _check_in(type(self), "block_kv", self.block_kv, WGMMA_M, " (one wgmma M tile)")
+    _check_stages(type(self), self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig:
+  """Forward and backward tiles; ``backward`` configures the Pallas-Triton
+  backward where that one runs.
+
+  Attributes:
+    fwd: the forward kernel (:class:`MosaicForward`).
+    dq: the dQ kernel (:class:`MosaicDq`).
+    dkv: the dK/dV kernel (:class:`MosaicDkv`).
+    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
+      <= 128) or "triton" (Pallas-Triton's backward).
+    bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
+      instead of two) rather than one after the other.
+    backward: the Pallas-Triton backward's config where that one runs (resolved
+      by that platform when None).
+  """
+
+  fwd: MosaicForward = MosaicForward()
+  dq: MosaicDq = MosaicDq()
+  dkv: MosaicDkv = MosaicDkv()
+  backward_kernel: str = "mosaic"
+  bwd_one_launch: bool = True
+  backward: TritonConfig | None = None
+
+  def __post_init__(self):
+    for name, kind in (("fwd", MosaicForward), ("dq", MosaicDq), ("dkv", MosaicDkv)):
+      if type(getattr(self, name)) is not kind:
+        raise ValueError(f"{name} must be a {kind.__name__}, got "
+                         f"{getattr(self, name)!r}")
+    if self.backward_kernel not in BACKWARD_KERNELS:
+      raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
+                       f"{self.backward_kernel!r}")
+    if not isinstance(self.bwd_one_launch, bool):
+      raise ValueError(f"bwd_one_launch must be a bool, got {self.bwd_one_launch!r}")
+    if self.backward is not None and type(self.backward) is not TritonConfig:
+      raise ValueError(f"backward must be a TritonConfig or None, got "
+                       f"{self.backward!r}")
+
+
+def to_json(cfg: MosaicConfig) -> dict:
+  """The Mosaic fields as nested dicts (the Pallas-Triton ``backward`` is that
+  platform's to resolve and cache)."""
+  d = dataclasses.asdict(cfg)
+  d.pop("backward")
+  return d
+
+
+def from_json(d: dict) -> MosaicConfig:
+  """The inverse of :func:`to_json`; a missing part or field takes its default.
+  Unknown fields (an entry of an older layout) raise ``TypeError``."""
+  parts = {"fwd": MosaicForward, "dq": MosaicDq, "dkv": MosaicDkv}
+  return MosaicConfig(**{k: parts[k](**v) if k in parts else v for k, v in d.items()})
+
+
+def padded_head_dim(spec) -> int | None:
+  d = max(spec.head_dim, spec.head_dim_v)
+  return next((x for x in HEAD_DIMS if x >= d), None)
+
+
+def default_config(spec) -> MosaicConfig:
+  """Shared memory holds 2 q blocks and ``num_stages`` K and V blocks: D = 256
+  keeps 64-key blocks so two stages fit in 227 KiB. The split tail only where it
+  was measured to pay (D = 64, long keys; see MosaicForward)."""
+  d = padded_head_dim(spec) or 256
+  if has_additive_tile(spec):
+    fwd = BIAS_FORWARD
+  elif d <= 64:
+    fwd = MosaicForward(block_kv=128, num_stages=3, split_tail=spec.seq_k > 2048)
+  elif d <= 128:
+    fwd = MosaicForward(block_kv=128, num_stages=2)
+  else:
+    fwd = MosaicForward(block_kv=64, num_stages=2)
+  return MosaicConfig(fwd=fwd)
+
+
+def has_additive_tile(spec) -> bool:
+  """A bias or dense mask: the forward streams one additive tile; the backward is
+  Pallas-Triton's."""
+  return spec.bias_shape is not None or spec.mask_shape is not None
+
+
+def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
+  return (config.backward_kernel == "mosaic" and not has_additive_tile(spec) and
+          padded_head_dim(spec) <= MOSAIC_BWD_MAX_HEAD_DIM)
