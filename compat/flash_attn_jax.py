@@ -66,6 +66,23 @@ def _end_aligned_layout(cu_q, cu_k, total_q, total_k, used_k=None):
           positions(cu_k, len_k, total_k, used_k))
 
 
+def _q_on_key_rows(cu_q, cu_k, total_q, total_k, used_k=None):
+  """Rows of the packed keys that take the packed q rows when no sequence has
+  more queries than (used) keys: sequence ``s``'s queries take the last
+  ``len_q[s]`` of its key rows, so one band with offset 0 (plus segment ids) is
+  each sequence's own bottom-right band while K and V stay where they are.
+  Padding q rows map to ``total_k`` (out of range: dropped)."""
+  len_q = jnp.diff(cu_q)
+  len_k = jnp.diff(cu_k) if used_k is None else used_k
+  rows, s, real = _rows(cu_q, total_q)
+  return jnp.where(real, cu_k[s] + len_k[s] - len_q[s] + rows - cu_q[s], total_k)
+
+
+def _queries_fit_keys(cu_q, cu_k, used_k=None, xp=jnp):
+  len_k = xp.diff(cu_k) if used_k is None else used_k
+  return xp.all(xp.diff(cu_q) <= len_k)
+
+
 def _check_offsets(name, cu, total):
   """``ValueError`` unless concrete offsets ``cu`` start at 0, never decrease and
   end at most at ``total``; traced offsets pass unchecked (see flash_mha_varlen)."""
@@ -109,9 +126,12 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   different q and k lengths, query i of a sequence sees key j iff
   ``j <= i + len_k - len_q`` (and ``j >= i + len_k - len_q - left``). With equal
   offsets (the same array, equal values, or under ``jit`` equal at run time, a
-  ``lax.cond``) this runs on the packed rows directly; otherwise rows are moved to
-  an end-aligned layout of ``total_q + total_k`` rows first (more work, same
-  result).
+  ``lax.cond``) this runs on the packed rows directly. Where offsets differ but no
+  sequence has more queries than keys (prefill after a cached prefix, cross
+  attention to longer contexts), the q rows move onto the ends of their
+  sequences' key rows and K and V are not copied. Otherwise (some sequence with
+  more queries than keys) q, k and v move to an end-aligned layout of
+  ``total_q + total_k`` rows first (more work, same result).
 
   ``seqused_k`` (flash-attn3-jax's keyword): int ``[num_sequences]``; sequence
   ``s`` then has keys ``cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]`` only
@@ -171,16 +191,38 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return attend(place(q, pos_q), place(k, pos_k), place(v, pos_k), q_ids,
                   kv_ids)[pos_q]
 
+  def on_key_rows(q, k, v):
+    rows = k.shape[0]
+    pos = _q_on_key_rows(cu_seqlens_q, cu_seqlens_k, q.shape[0], rows, seqused_k)
+    placed = jnp.zeros((rows,) + q.shape[1:], q.dtype).at[pos].set(
+        q, mode="drop", unique_indices=True)
+    q_ids = jnp.full((rows,), -1, jnp.int32).at[pos].set(
+        _cu_to_ids(cu_seqlens_q, q.shape[0], -1), mode="drop")
+    out = attend(placed, k, v, q_ids,
+                 _cu_to_ids(cu_seqlens_k, rows, -2, seqused_k))
+    # Padding q rows read past the end: 0, as on the packed rows.
+    return jnp.take(out, pos, axis=0, mode="fill", fill_value=0)
+
   # The packed rows serve directly unless a band meets sequences whose q and k
-  # offsets differ (bottom-right alignment per sequence needs the relayout).
+  # offsets differ (bottom-right alignment per sequence then needs the q rows
+  # moved onto their keys, or every row moved where some q is longer than its k).
   if not banded or cu_seqlens_q is cu_seqlens_k and seqused_k is None:
     return packed(q, k, v)
+  offsets = (cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
+  if not any(isinstance(x, jax.core.Tracer) for x in offsets):
+    if (q.shape[0] == k.shape[0] and seqused_k is None and
+        np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))):
+      return packed(q, k, v)
+    # numpy: under an outer jit jnp would stage even these concrete values.
+    fits = bool(_queries_fit_keys(*(np.asarray(x) for x in offsets), xp=np))
+    return on_key_rows(q, k, v) if fits else end_aligned(q, k, v)
+  # Offsets known only when the program runs (under jit): chosen then.
+  moved = lambda q, k, v: jax.lax.cond(
+      _queries_fit_keys(cu_seqlens_q, cu_seqlens_k, seqused_k), on_key_rows,
+      end_aligned, q, k, v)
   if q.shape[0] != k.shape[0] or seqused_k is not None:
-    return end_aligned(q, k, v)
-  if not any(isinstance(cu, jax.core.Tracer) for cu in (cu_seqlens_q, cu_seqlens_k)):
-    same = np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))
-    return packed(q, k, v) if same else end_aligned(q, k, v)
-  # Offsets known only when the program runs (under jit): equal offsets, the
-  # usual self-attention over packed documents, take the packed rows then.
-  return jax.lax.cond(jnp.array_equal(cu_seqlens_q, cu_seqlens_k), packed,
-                      end_aligned, q, k, v)
+    return moved(q, k, v)
+  # Equal offsets, the usual self-attention over packed documents, take the
+  # packed rows.
+  return jax.lax.cond(jnp.array_equal(cu_seqlens_q, cu_seqlens_k), packed, moved,
+                      q, k, v)

@@ -219,6 +219,46 @@ def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
     _close(g, r)
 
 
+def test_flash_mha_varlen_queries_on_their_keys_rows():
+  """Different offsets where no sequence has more queries than keys (a prefill
+  after a cached prefix, with padding tails): the q rows move onto their keys'
+  rows and no row layout of total_q + total_k is built, with concrete offsets and
+  under jit (a lax.cond); outputs and gradients against the reference per
+  sequence (bottom-right bands)."""
+  lens_q, lens_k = [3, 17, 4, 1], [11, 17, 9, 6]
+  tq, tk = sum(lens_q) + 3, sum(lens_k) + 2
+  ks = jax.random.split(jax.random.key(23), 4)
+  q = jax.random.normal(ks[0], (tq, 2, 16))
+  k = jax.random.normal(ks[1], (tk, 1, 16))
+  v = jax.random.normal(ks[2], (tk, 1, 16))
+  do = jax.random.normal(ks[3], (tq, 2, 16))
+  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
+  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  run = lambda q, k, v, a, b: flashjax.flash_mha_varlen(
+      q, k, v, a, b, max(lens_q), max(lens_k), is_causal=True, window_size=(5, -1))
+
+  def per_sequence(q, k, v):
+    outs, a, b = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k):
+      outs.append(reference.attention(q[None, a:a + nq], k[None, b:b + nk],
+                                      v[None, b:b + nk], causal=True,
+                                      sliding_window=(5, -1))[0])
+      a, b = a + nq, b + nk
+    return jnp.concatenate(outs + [jnp.zeros((tq - a,) + q.shape[1:])])
+
+  rows = f"[{tq + tk},"  # the end-aligned layout's row count
+  assert rows not in str(jax.make_jaxpr(lambda q, k, v: run(q, k, v, cu_q, cu_k))(
+      q, k, v))
+  assert rows in str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))  # the other branch
+  ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
+  out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, cu_q, cu_k), q, k, v)
+  for got in (out, jax.jit(run)(q, k, v, cu_q, cu_k)):
+    _close(got, ref)
+    assert np.all(np.asarray(got[sum(lens_q):]) == 0)
+  for g, r in zip(vjp(do), ref_vjp(do)):
+    _close(g, r)
+
+
 # -- platform choice ------------------------------------------------------------------
 
 
