@@ -14,7 +14,9 @@ and the append once, and runs the platform's attention over the cache:
   (logged once); ``triton`` runs the xla path.
 
 ``flash_attention`` with few queries against many keys (decode, chunked prefill)
-takes the same split-KV kernel on both GPU platforms (pallas_gpu/triton/decode.py).
+takes the same split-KV kernel on the Pallas GPU platforms, Mosaic-GPU's route and
+Pallas-Triton (pallas_gpu/triton/decode.py); the triton platform runs its training
+forward.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Platforms supply their candidates (as :class:`Round` s) and their config's JSON
 form.
 
 The cache is ``$FLASHJAX_AUTOTUNE_CACHE`` if set, else
-``~/.cache/flashjax/<platform>.json``; keys carry the platform's prefix, so
-platforms can share one file.
+``~/.cache/flashjax/<platform>.json``; Mosaic-GPU's and triton's keys carry their
+platform's prefix (Pallas-Triton's none), so the platforms can share one file.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ Every version-dependent call lives here."""
 
 from __future__ import annotations
 
+import contextlib
+
 
 def transpose_ref(ref, perm):
   """A transposed view of a Mosaic-GPU ref: ``ref.transpose`` in newer JAX,
@@ -119,3 +121,20 @@ def _batch_linear_call(axis_data, args, dims, *, callee, transpose_thunk,
 
   outs = jax_linear_call(fun, fun_transpose, res, lin)
   return outs, [0] * len(outs)
+
+
+@contextlib.contextmanager
+def enable_x64():
+  """``jax_enable_x64`` on inside the block (``jax.enable_x64`` where it exists,
+  else the config flag), restored after."""
+  import jax
+  if hasattr(jax, "enable_x64"):
+    with jax.enable_x64(True):
+      yield
+    return
+  old = jax.config.read("jax_enable_x64")
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", old)

@@ -10,28 +10,12 @@ and segment ids that are distinct only in 64 bits.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
+from .compat import enable_x64
+
 WIDE = 2 ** 32  # segment ids i * WIDE are equal to each other once cast to int32
-
-
-@contextlib.contextmanager
-def enable_x64():
-  """``jax_enable_x64`` on inside the block (``jax.enable_x64`` where it exists,
-  else the config flag), restored after."""
-  if hasattr(jax, "enable_x64"):
-    with jax.enable_x64(True):
-      yield
-    return
-  old = jax.config.read("jax_enable_x64")
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", old)
 
 
 def widen_segment_ids(fn):

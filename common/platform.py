@@ -1,7 +1,7 @@
 """The platform protocol: what every platform module declares and exposes.
 
-A platform module (``xla_cpu``, ``pallas_tpu``, ``pallas_gpu.mosaic``,
-``pallas_gpu.pallas_triton``, ``triton_gpu``) defines
+A platform module (``xla_cpu``, ``pallas_tpu``, ``pallas_gpu.mosaic.mosaic``,
+``pallas_gpu.triton.pallas_triton``, ``triton_gpu``) defines
 
 * ``NAME``: its registry name (``"xla"``, ``"pallas-tpu"``, ...);
 * ``CAPABILITIES``: a :class:`Capabilities`, declared once: dtypes, head dims and

@@ -1,10 +1,12 @@
 """One differentiation wrapper for every platform: reverse mode by the platform's
 backward, forward mode by the common blockwise tangent.
 
-A platform supplies ``forward(ops, spec, config) -> (out, lse)`` and
-``backward(ops, spec, config, out, lse, do, dlse) -> Operands`` of cotangents
-(None where an operand is not differentiable or absent). The static half (spec and
-config) travels as one hashable ``nondiff`` argument.
+A platform supplies ``forward(ops, spec, static) -> (out, lse)`` and
+``backward(ops, spec, static, out, lse, do, dlse) -> Operands`` of cotangents
+(None where an operand is not differentiable or absent); ``static`` is the
+platform's hashable static half (``platform.Static(config, interpret)`` on the
+kernel platforms, the config itself on xla). Spec and static travel as one
+hashable ``nondiff`` argument.
 
 The function is a ``jax.custom_jvp``. Its tangent is a ``linear_call`` of the
 forward-mode tangent (``common/tangent.py``) whose declared transpose is the

@@ -41,7 +41,7 @@ class MosaicForward:
       (False), or None: persistent unless the band is causal or a window (uneven
       tiles balance better on the hardware scheduler).
     split_tail: the persistent forward runs its last, partial round of q tiles
-      as key ranges merged by a small second kernel (tail_merge.py); applies to
+      as key ranges merged by a small second kernel (pallas_gpu/tail_merge.py); applies to
       the full band only, where the plan finds a split that pays. The default
       config turns it on for D <= 64 with more than 2048 keys only. On an H200
       (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward

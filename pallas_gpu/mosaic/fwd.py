@@ -16,7 +16,7 @@ store. Short sequences (few kv steps per tile) lose most to per-tile start-up
 otherwise. Without it, one CTA per tile (the hardware balances uneven causal
 tiles).
 
-Split tail (``MosaicConfig.split_tail``, full band, persistent): the last,
+Split tail (``MosaicForward.split_tail``, full band, persistent): the last,
 partial round of q tiles runs as key-range parts (blocks.unit_walk); a
 part stores its normalised output as a high and a low half in the input dtype
 and its lse in log2 units, and tail_merge.combine merges each tile's parts into

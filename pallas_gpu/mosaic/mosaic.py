@@ -8,8 +8,9 @@ blocks the ids leave visible (common/segments.py). A bias or dense mask over
 whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
 blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
 dbias). Features the kernels lack (dropout, fp32, a bias or mask broadcast along
-Sq or Sk, a mask with a soft cap) raise NotImplementedError, so the frontend routes those calls to
-Pallas-Triton.
+Sq or Sk or with head dims over 128, a mask with a soft cap) raise
+NotImplementedError, so the frontend routes those calls to the next platform
+(triton where installed, then Pallas-Triton).
 """
 
 from __future__ import annotations

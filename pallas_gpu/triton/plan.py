@@ -33,7 +33,7 @@ class TritonForward(KernelConfig):
 
   ``split_tail``: a non-causal forward (full band, no dropout) whose programs fill
   two or more waves runs each program of the last, partial wave as a few key-range
-  parts, combined after the launch (split_tail.py). ``tail_slots``: programs
+  parts, combined after the launch (pallas_gpu/split_tail.py). ``tail_slots``: programs
   that run at once (0: one per SM of the default device, which is what the long-key
   D <= 128 tiles of default_config occupy).
   """
