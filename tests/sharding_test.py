@@ -1,9 +1,8 @@
 """Inputs sharded over batch and heads on 4 CPU devices: each device computes its
 shard (no all-gather in the compiled HLO), forward and backward, and the result
-equals the unsharded reference. Covers the XLA platform (split by XLA's partitioner)
-and a kernel platform (Pallas-Triton in interpret mode, split by
-common/partition.py). Runs in a subprocess because the device count must be set
-before JAX starts."""
+equals the unsharded reference. Covers the XLA platform and a kernel platform
+(Pallas-Triton in interpret mode), both split by common/partition.py. Runs in a
+subprocess because the device count must be set before JAX starts."""
 
 import os
 import subprocess
@@ -105,8 +104,8 @@ def test_sharded_inputs_run_per_shard(platform, spec, kwargs):
 @pytest.mark.parametrize("platform", ["xla", "pallas-triton"])
 def test_sequence_sharding_moves_data_and_is_exact(platform):
   # Attention needs whole rows: a sequence-sharded input moves K/V between devices
-  # (xla gathers them; a kernel platform runs the ring, whose collective-permutes
-  # ring_test.py checks), so the check above is a real check; the result stays exact.
+  # (the ring, whose collective-permutes ring_test.py checks), so the check above
+  # is a real check; the result stays exact.
   _run(platform, ("data", "model", None, None), "dict(causal=True)",
        expect_gather=True)
 
