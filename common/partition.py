@@ -16,9 +16,12 @@ inside the lowering (two half-shard permutes per array each way). Query rows
 split along one axis with the keys whole (or split otherwise) keep their split:
 K/V arrive whole and each device attends its rows to all keys, its K/V cotangents
 summed over the axis. Any other sequence split is gathered, which is correct,
-only slower. The head axis is split only when the number of head shards divides
-the kv head count, so each shard keeps whole query groups (q head h reads kv head
-h // G).
+only slower. The head axis is split when the number of head shards divides the
+kv head count, so each shard keeps whole query groups (q head h reads kv head
+h // G), or when each shard's query heads lie in one group (MQA, or GQA with
+fewer kv heads than shards, sequences whole): then K/V heads are whole on every
+device, each shard slices its kv head, and K/V cotangents are summed over the
+head axes.
 Cotangents of operands broadcast over a split axis (a bias shared by all batch
 elements, the sinks) are summed over that axis's devices. The dropout hash takes
 global batch and head indices: each shard passes its offsets to the kernels with
@@ -59,13 +62,14 @@ def _pspec4(sharding) -> tuple | None:
 
 
 def _plan(mesh, spec: AttentionSpec, arg_shapes):
-  """``(batch_axes, head_axes, seq_axis, kv_split)`` of the mesh: the axes that
-  split q's batch and head dims, and the one that splits q's rows (None where
-  they stay whole); ``kv_split``: k's rows too, by the same axis (the ring), else
-  K/V are whole on every device."""
+  """``(batch_axes, head_axes, seq_axis, kv_split, one_kv_head)`` of the mesh: the
+  axes that split q's batch and head dims, and the one that splits q's rows (None
+  where they stay whole); ``kv_split``: k's rows too, by the same axis (the
+  ring), else K/V rows are whole on every device; ``one_kv_head``: each head
+  shard's query heads read one kv head, K/V heads whole on every device."""
   pq = _pspec4(arg_shapes[0].sharding)
   if pq is None:
-    return (), (), None, False
+    return (), (), None, False, False
   pk = _pspec4(arg_shapes[1].sharding) or (None,) * 4
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   seq = _axes(pq[1])
@@ -77,13 +81,16 @@ def _plan(mesh, spec: AttentionSpec, arg_shapes):
   h_axes = tuple(a for a in _axes(pq[2]) if a != seq_axis)
   if spec.batch % size(b_axes):
     b_axes = ()
-  if spec.heads_kv % size(h_axes):
+  nh = size(h_axes)
+  one_kv_head = (spec.heads_kv % nh != 0 and spec.heads_q % nh == 0
+                 and spec.group_size % (spec.heads_q // nh) == 0 and seq_axis is None)
+  if spec.heads_kv % nh and not one_kv_head:
     h_axes = ()
-  return b_axes, h_axes, seq_axis, ring
+  return b_axes, h_axes, seq_axis, ring, one_kv_head
 
 
 def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1,
-                kv_split: bool = True) -> AttentionSpec:
+                kv_split: bool = True, one_kv_head: bool = False) -> AttentionSpec:
   """Shard sizes; ``ns`` shards split q's rows (and k's where ``kv_split``) and
   the rows of a bias or mask (its columns stay whole: the ring slices each hop's
   keys)."""
@@ -94,7 +101,8 @@ def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1,
     return (bb // nb if bb > 1 else 1, hb // nh if hb > 1 else 1,
             sq // ns if sq > 1 else 1, sk)
   return dataclasses.replace(spec, batch=spec.batch // nb, heads_q=spec.heads_q // nh,
-                             heads_kv=spec.heads_kv // nh, seq_q=spec.seq_q // ns,
+                             heads_kv=1 if one_kv_head else spec.heads_kv // nh,
+                             seq_q=spec.seq_q // ns,
                              seq_k=spec.seq_k // ns if kv_split else spec.seq_k,
                              bias_shape=local4(spec.bias_shape),
                              mask_shape=local4(spec.mask_shape))
@@ -108,17 +116,19 @@ def _present(ops_struct: Operands) -> list[str]:
 
 
 def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h, s=None,
-                    kv_split: bool = True) -> list:
+                    kv_split: bool = True, one_kv_head: bool = False) -> list:
   """PartitionSpec of each present operand, in ``Operands`` order; ``s`` splits
-  q's rows (k's too where ``kv_split``) and a bias/mask's rows."""
+  q's rows (k's too where ``kv_split``) and a bias/mask's rows; ``h`` splits the
+  kv heads unless ``one_kv_head``."""
   bs, hs = b or None, h or None
   ks = s if kv_split else None
+  khs = None if one_kv_head else hs
 
   def four(shape):
     return P(bs if shape[0] > 1 else None, hs if shape[1] > 1 else None,
              s if shape[2] > 1 else None, None)
 
-  row, kv = P(bs, s, hs, None), P(bs, ks, hs, None)
+  row, kv = P(bs, s, hs, None), P(bs, ks, khs, None)
   specs = {"q": row, "k": kv, "v": kv,
            "bias": four(spec.bias_shape) if ops.bias is not None else None,
            "mask": four(spec.mask_shape) if ops.mask is not None else None,
@@ -127,11 +137,12 @@ def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h, s=None,
   return [specs[n] for n in _present(ops)]
 
 
-def _shardings(kind, spec, ops_struct, b, h, s=None, kv_split=True):
+def _shardings(kind, spec, ops_struct, b, h, s=None, kv_split=True,
+               one_kv_head=False):
   """``(argument pspecs, result pspecs)`` of one direction's call. The backward
   takes the operands then ``out, lse, do, dlse`` and returns the present
   operands' cotangents."""
-  ops_p = _operand_pspecs(spec, ops_struct, b, h, s, kv_split)
+  ops_p = _operand_pspecs(spec, ops_struct, b, h, s, kv_split, one_kv_head)
   row, lse = P(b or None, s, h or None, None), P(b or None, h or None, s)
   if kind == "fwd":
     return ops_p, [row, lse]
@@ -148,7 +159,8 @@ def _head_factors(spec: AttentionSpec, devices: int) -> tuple[str, str | None]:
   ``g``. A factor of size 1 may not join a compound dim, so MHA is ``k`` alone and
   MQA is ``g`` alone, its kv head dim (None) a factor of its own. Where some split
   of the ``devices`` would not divide the kv heads, query heads ``h`` share no
-  factor with kv heads: the partition gathers those (``_plan``), and a shared
+  factor with kv heads: the partition gathers those or gives each shard its one
+  kv head (``_plan``), and a shared
   factor would let propagation hand it kv heads split over part of a mesh axis,
   which it cannot take (Hkv = 2 over 4 devices)."""
   if spec.group_size == 1:
@@ -207,10 +219,11 @@ def _wrapped(kind: str):
 
   def partition(static, mesh, arg_shapes, result_shape):
     fn, spec, config, ops_struct = static
-    b, h, s, kv_split = _plan(mesh, spec, arg_shapes)
+    b, h, s, kv_split, one_kv_head = _plan(mesh, spec, arg_shapes)
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    local = _local_spec(spec, size(b), size(h), mesh.shape[s] if s else 1, kv_split)
-    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h, s, kv_split)
+    local = _local_spec(spec, size(b), size(h), mesh.shape[s] if s else 1, kv_split,
+                        one_kv_head)
+    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h, s, kv_split, one_kv_head)
     if s is not None:
       lower = functools.partial(_ring_lower if kv_split else _rows_lower, kind,
                                 static, local, b, h, s, mesh.shape[s])
@@ -219,10 +232,18 @@ def _wrapped(kind: str):
     def lower(*args):
       if spec.dropout_rate > 0:
         args = _with_shard_seed(ops_struct, args, b, h, local)
+      if one_kv_head:  # this head shard's kv head (q head h reads kv head h // G)
+        kv_head = jax.lax.axis_index(h) * local.heads_q // spec.group_size
+        args = _kv_heads(ops_struct, args, lambda x: jax.lax.dynamic_slice_in_dim(
+            x, kv_head, 1, 2))
       if kind == "fwd":
         return fn(_unflatten(ops_struct, args), local, config)
       grads = _grads(fn, ops_struct, args, local, config)
       names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
+      if one_kv_head:  # each shard's part of its kv head, summed over the shards
+        grads = [jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros(g.shape[:2] + (spec.heads_kv,) + g.shape[3:], g.dtype), g,
+            kv_head, 2), h) if n in ("k", "v") else g for n, g in zip(names, grads)]
       return tuple(_summed(n, g, spec, b, h) for n, g in zip(names, grads))
 
     return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
@@ -370,6 +391,13 @@ def _summed(name, g, spec: AttentionSpec, b_axes, h_axes, ring_axis=None):
   else:
     axes = ()
   return jax.lax.psum(g, axes) if axes else g
+
+
+def _kv_heads(ops_struct, args, f):
+  """``args`` with ``f`` applied to k and v."""
+  names = _present(ops_struct)
+  return tuple(f(x) if n in ("k", "v") else x for n, x in zip(names, args)) + tuple(
+      args[len(names):])
 
 
 def _with_shard_seed(ops_struct, args, b_axes, h_axes, local: AttentionSpec):
