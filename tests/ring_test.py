@@ -298,22 +298,24 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
   assert float(jnp.std(rgrads[0])) > 0.05
 
 
-def _auto_mesh_ring(platform, rows_per_device=256, kv_split=True, **extra):
-  """bf16 causal attention on sequences split over every device by an Auto mesh
-  axis, under jit: the partitioned call runs the ring (collective-permutes, no
-  all-gather); with ``kv_split=False`` only q's rows are split and K/V stay
-  whole (no collective but the K/V cotangents' sum). Outputs and gradients match
-  the fp32 reference on the same inputs. Dropout where the platform has it (not
-  Mosaic GPU)."""
+def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):
+  """bf16 causal attention split over every device by an Auto mesh axis, under
+  jit. ``split``: "ring", the sequences of q, k and v (the partitioned call runs
+  the ring: collective-permutes, no all-gather); "rows", q's rows alone (K/V
+  whole); "heads", MQA with q's heads split and K/V whole (each shard slices its
+  kv head). The last two move nothing but the K/V cotangents' sum. Outputs and
+  gradients match the fp32 reference on the same inputs. Dropout where the
+  platform has it (not Mosaic GPU)."""
   from jax.sharding import NamedSharding
   from flashjax.common import tolerances
   n = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("seq",))
-  sh = NamedSharding(mesh, P(None, "seq"))
+  sh = NamedSharding(mesh, P(None, None, "seq") if split == "heads" else P(None, "seq"))
   ks = jax.random.split(jax.random.key(0), 4)
   shape = lambda h: (2, rows_per_device * n, h, 64)
-  q, do = (jax.random.normal(x, shape(4), jnp.bfloat16) for x in ks[:2])
-  k, v = (jax.random.normal(x, shape(2), jnp.bfloat16) for x in ks[2:])
+  hq, hkv = (2 * n, 1) if split == "heads" else (4, 2)
+  q, do = (jax.random.normal(x, shape(hq), jnp.bfloat16) for x in ks[:2])
+  k, v = (jax.random.normal(x, shape(hkv), jnp.bfloat16) for x in ks[2:])
   kw = dict(causal=True)
   if platform != "pallas":
     kw.update(dropout_rate=0.1, dropout_seed=7)
@@ -325,12 +327,13 @@ def _auto_mesh_ring(platform, rows_per_device=256, kv_split=True, **extra):
     return jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True)
 
   step = jax.jit(loss(flashjax.flash_attention, platform=platform, **extra))
-  kv_sh = sh if kv_split else NamedSharding(mesh, P())
+  kv_sh = sh if split == "ring" else NamedSharding(mesh, P())
   args = [jax.device_put(q, sh)] + [jax.device_put(x, kv_sh) for x in (k, v)]
-  hlo = step.lower(*args).compile().as_text()
+  compiled = step.lower(*args).compile()
+  hlo = compiled.as_text()
   assert "all-gather" not in hlo
-  assert ("collective-permute" in hlo) == kv_split
-  (_, out), grads = step(*args)
+  assert ("collective-permute" in hlo) == (split == "ring")
+  (_, out), grads = compiled(*args)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   (_, ref), ref_grads = loss(reference.attention)(*f32)
   tolerances.assert_close(np.asarray(out, np.float32), ref,
@@ -350,8 +353,9 @@ def test_auto_mesh_ring_on_gpus(platform):
 @pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
                     reason="needs 2 or more GPUs (the lent multi-GPU machines)")
 @pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
-def test_auto_mesh_rows_on_gpus(platform):
-  _auto_mesh_ring(platform, kv_split=False)
+@pytest.mark.parametrize("split", ["rows", "heads"])
+def test_auto_mesh_rows_and_heads_on_gpus(platform, split):
+  _auto_mesh_ring(platform, split=split)
 
 
 def _one_device(fn, *args):
