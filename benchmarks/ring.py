@@ -1,8 +1,8 @@
 """``python -m flashjax.benchmarks --ring S``: a sequence of length S split over
 every device present, four ways: the ring (``ring_attention`` in ``shard_map``,
 zigzag layout when causal); ``flash_attention`` under ``jit`` on the split
-inputs of an Auto mesh axis ("partitioned": the kernel platforms' partitioner
-runs the ring, the xla platform is gathered by XLA); the same with q, k and v
+inputs of an Auto mesh axis ("partitioned": the platforms' partitioner runs
+the ring, common/partition.py); the same with q, k and v
 constrained to whole sequences on every device (the all-gather); and the whole
 problem on one device. Forward and forward+backward times, the compiled
 per-device memory of forward+backward, and the largest difference of each

@@ -1,19 +1,27 @@
-"""Per-shard execution of kernel platforms under ``jit`` with sharded inputs.
+"""Per-shard execution of the platforms under ``jit`` with sharded inputs.
 
 XLA's partitioner cannot split a Pallas kernel (a custom call), so without help it
-gathers sharded inputs and runs the whole problem on every device. Here the
-platform's forward and backward are wrapped in ``custom_partitioning``: the sharding
-rule tells the partitioner that batch and heads are independent, and the partition
-callback runs the kernel on each device's shard with a spec of local sizes.
+gathers sharded inputs and runs the whole problem on every device; the xla
+platform's plain ops it splits by batch and heads, but it gathers K/V of a split
+sequence. Here the platform's forward and backward are wrapped in
+``custom_partitioning``: the sharding rule tells the partitioner that batch and
+heads are independent, and the partition callback runs the kernel on each
+device's shard with a spec of local sizes.
 
 The head-dim axis is never split. Sequences split along one mesh axis (q's and
 k's, the same axis, lengths divisible by its size) run ring attention on the
 shards (common/ring.py): K/V blocks travel by collective-permute over that axis,
 nothing is gathered; causal calls move their rows into the zigzag layout and back
-inside the lowering (two half-shard permutes per array each way). Any other
-sequence split is gathered, which is correct, only slower. The head axis is split
-only when the number of head shards divides the kv head count, so each shard
-keeps whole query groups (q head h reads kv head h // G).
+inside the lowering (two half-shard permutes per array each way). Query rows
+split along one axis with the keys whole (or split otherwise) keep their split:
+K/V arrive whole and each device attends its rows to all keys, its K/V cotangents
+summed over the axis. Any other sequence split is gathered, which is correct,
+only slower. The head axis is split when the number of head shards divides the
+kv head count, so each shard keeps whole query groups (q head h reads kv head
+h // G), or when each shard's query heads lie in one group (MQA, or GQA with
+fewer kv heads than shards, sequences whole): then K/V heads are whole on every
+device, each shard slices its kv head, and K/V cotangents are summed over the
+head axes.
 Cotangents of operands broadcast over a split axis (a bias shared by all batch
 elements, the sinks) are summed over that axis's devices. The dropout hash takes
 global batch and head indices: each shard passes its offsets to the kernels with
@@ -29,11 +37,14 @@ import math
 
 import jax
 import jax.custom_batching
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import dropout as dropout_lib
+from . import epilogue
 from . import ring as ring_lib
+from .compat import vary_like
 from .spec import AttentionSpec, Operands
 
 
@@ -51,31 +62,38 @@ def _pspec4(sharding) -> tuple | None:
 
 
 def _plan(mesh, spec: AttentionSpec, arg_shapes):
-  """``(batch_axes, head_axes, seq_axis)`` of the mesh that split q's batch and
-  head dims and (for the ring) the sequences of q and k; ``seq_axis`` is None
-  where the sequences stay whole."""
+  """``(batch_axes, head_axes, seq_axis, kv_split, one_kv_head)`` of the mesh: the
+  axes that split q's batch and head dims, and the one that splits q's rows (None
+  where they stay whole); ``kv_split``: k's rows too, by the same axis (the
+  ring), else K/V rows are whole on every device; ``one_kv_head``: each head
+  shard's query heads read one kv head, K/V heads whole on every device."""
   pq = _pspec4(arg_shapes[0].sharding)
   if pq is None:
-    return (), (), None
+    return (), (), None, False, False
   pk = _pspec4(arg_shapes[1].sharding) or (None,) * 4
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   seq = _axes(pq[1])
-  ring = (len(seq) == 1 and _axes(pk[1]) == seq and mesh.shape[seq[0]] > 1
-          and spec.seq_q % mesh.shape[seq[0]] == 0
-          and spec.seq_k % mesh.shape[seq[0]] == 0)
-  seq_axis = seq[0] if ring else None
+  rows = (len(seq) == 1 and mesh.shape[seq[0]] > 1
+          and spec.seq_q % mesh.shape[seq[0]] == 0)
+  ring = rows and _axes(pk[1]) == seq and spec.seq_k % mesh.shape[seq[0]] == 0
+  seq_axis = seq[0] if rows else None
   b_axes = tuple(a for a in _axes(pq[0]) if a != seq_axis)
   h_axes = tuple(a for a in _axes(pq[2]) if a != seq_axis)
   if spec.batch % size(b_axes):
     b_axes = ()
-  if spec.heads_kv % size(h_axes):
+  nh = size(h_axes)
+  one_kv_head = (spec.heads_kv % nh != 0 and spec.heads_q % nh == 0
+                 and spec.group_size % (spec.heads_q // nh) == 0 and seq_axis is None)
+  if spec.heads_kv % nh and not one_kv_head:
     h_axes = ()
-  return b_axes, h_axes, seq_axis
+  return b_axes, h_axes, seq_axis, ring, one_kv_head
 
 
-def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1) -> AttentionSpec:
-  """Shard sizes; ``ns`` ring shards split the sequences and the rows of a bias
-  or mask (its columns stay whole: the ring slices each hop's keys)."""
+def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1,
+                kv_split: bool = True, one_kv_head: bool = False) -> AttentionSpec:
+  """Shard sizes; ``ns`` shards split q's rows (and k's where ``kv_split``) and
+  the rows of a bias or mask (its columns stay whole: the ring slices each hop's
+  keys)."""
   def local4(shape):
     if shape is None:
       return None
@@ -83,8 +101,9 @@ def _local_spec(spec: AttentionSpec, nb: int, nh: int, ns: int = 1) -> Attention
     return (bb // nb if bb > 1 else 1, hb // nh if hb > 1 else 1,
             sq // ns if sq > 1 else 1, sk)
   return dataclasses.replace(spec, batch=spec.batch // nb, heads_q=spec.heads_q // nh,
-                             heads_kv=spec.heads_kv // nh, seq_q=spec.seq_q // ns,
-                             seq_k=spec.seq_k // ns,
+                             heads_kv=1 if one_kv_head else spec.heads_kv // nh,
+                             seq_q=spec.seq_q // ns,
+                             seq_k=spec.seq_k // ns if kv_split else spec.seq_k,
                              bias_shape=local4(spec.bias_shape),
                              mask_shape=local4(spec.mask_shape))
 
@@ -96,29 +115,34 @@ def _present(ops_struct: Operands) -> list[str]:
   return [n for n, x in zip(Operands._fields, ops_struct) if x is not None]
 
 
-def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h, s=None) -> list:
-  """PartitionSpec of each present operand, in ``Operands`` order; ``s``, the
-  ring axis, splits the sequences and a bias/mask's rows."""
+def _operand_pspecs(spec: AttentionSpec, ops: Operands, b, h, s=None,
+                    kv_split: bool = True, one_kv_head: bool = False) -> list:
+  """PartitionSpec of each present operand, in ``Operands`` order; ``s`` splits
+  q's rows (k's too where ``kv_split``) and a bias/mask's rows; ``h`` splits the
+  kv heads unless ``one_kv_head``."""
   bs, hs = b or None, h or None
+  ks = s if kv_split else None
+  khs = None if one_kv_head else hs
 
   def four(shape):
     return P(bs if shape[0] > 1 else None, hs if shape[1] > 1 else None,
              s if shape[2] > 1 else None, None)
 
-  row = P(bs, s, hs, None)
-  specs = {"q": row, "k": row, "v": row,
+  row, kv = P(bs, s, hs, None), P(bs, ks, khs, None)
+  specs = {"q": row, "k": kv, "v": kv,
            "bias": four(spec.bias_shape) if ops.bias is not None else None,
            "mask": four(spec.mask_shape) if ops.mask is not None else None,
-           "q_segment_ids": P(bs, s), "kv_segment_ids": P(bs, s),
+           "q_segment_ids": P(bs, s), "kv_segment_ids": P(bs, ks),
            "sinks": P(hs, None), "dropout_seed": P()}
   return [specs[n] for n in _present(ops)]
 
 
-def _shardings(kind, spec, ops_struct, b, h, s=None):
+def _shardings(kind, spec, ops_struct, b, h, s=None, kv_split=True,
+               one_kv_head=False):
   """``(argument pspecs, result pspecs)`` of one direction's call. The backward
   takes the operands then ``out, lse, do, dlse`` and returns the present
   operands' cotangents."""
-  ops_p = _operand_pspecs(spec, ops_struct, b, h, s)
+  ops_p = _operand_pspecs(spec, ops_struct, b, h, s, kv_split, one_kv_head)
   row, lse = P(b or None, s, h or None, None), P(b or None, h or None, s)
   if kind == "fwd":
     return ops_p, [row, lse]
@@ -135,7 +159,8 @@ def _head_factors(spec: AttentionSpec, devices: int) -> tuple[str, str | None]:
   ``g``. A factor of size 1 may not join a compound dim, so MHA is ``k`` alone and
   MQA is ``g`` alone, its kv head dim (None) a factor of its own. Where some split
   of the ``devices`` would not divide the kv heads, query heads ``h`` share no
-  factor with kv heads: the partition gathers those (``_plan``), and a shared
+  factor with kv heads: the partition gathers those or gives each shard its one
+  kv head (``_plan``), and a shared
   factor would let propagation hand it kv heads split over part of a mesh axis,
   which it cannot take (Hkv = 2 over 4 devices)."""
   if spec.group_size == 1:
@@ -194,30 +219,39 @@ def _wrapped(kind: str):
 
   def partition(static, mesh, arg_shapes, result_shape):
     fn, spec, config, ops_struct = static
-    b, h, s = _plan(mesh, spec, arg_shapes)
+    b, h, s, kv_split, one_kv_head = _plan(mesh, spec, arg_shapes)
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    local = _local_spec(spec, size(b), size(h), mesh.shape[s] if s else 1)
-    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h, s)
+    local = _local_spec(spec, size(b), size(h), mesh.shape[s] if s else 1, kv_split,
+                        one_kv_head)
+    arg_p, res_p = _shardings(kind, spec, ops_struct, b, h, s, kv_split, one_kv_head)
     if s is not None:
-      lower = functools.partial(_ring_lower, kind, static, local, b, h, s,
-                                mesh.shape[s])
+      lower = functools.partial(_ring_lower if kv_split else _rows_lower, kind,
+                                static, local, b, h, s, mesh.shape[s])
       return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
 
     def lower(*args):
       if spec.dropout_rate > 0:
         args = _with_shard_seed(ops_struct, args, b, h, local)
+      if one_kv_head:  # this head shard's kv head (q head h reads kv head h // G)
+        kv_head = jax.lax.axis_index(h) * local.heads_q // spec.group_size
+        args = _kv_heads(ops_struct, args, lambda x: jax.lax.dynamic_slice_in_dim(
+            x, kv_head, 1, 2))
       if kind == "fwd":
         return fn(_unflatten(ops_struct, args), local, config)
       grads = _grads(fn, ops_struct, args, local, config)
       names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
+      if one_kv_head:  # each shard's part of its kv head, summed over the shards
+        grads = [jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros(g.shape[:2] + (spec.heads_kv,) + g.shape[3:], g.dtype), g,
+            kv_head, 2), h) if n in ("k", "v") else g for n, g in zip(names, grads)]
       return tuple(_summed(n, g, spec, b, h) for n, g in zip(names, grads))
 
     return mesh, lower, _named(mesh, res_p), _named(mesh, arg_p)
 
   def infer(static, mesh, arg_shapes, result_shape):
     _, spec, _, ops_struct = static
-    b, h, s = _plan(mesh, spec, arg_shapes)
-    return _named(mesh, _shardings(kind, spec, ops_struct, b, h, s)[1])
+    return _named(mesh, _shardings(kind, spec, ops_struct,
+                                   *_plan(mesh, spec, arg_shapes))[1])
 
   wrapped.def_partition(
       partition=partition, infer_sharding_from_operands=infer,
@@ -278,6 +312,70 @@ def _ring_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *ar
   return tuple(result)
 
 
+def _rows_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *args):
+  """One direction on this device's query rows against all keys (q's rows split
+  along ``axis`` of ``n`` devices, K/V whole). The rows' band depends on the
+  device index, a traced value: the distinct static bands are the branches of a
+  ``lax.switch``; rows that reach no key take a branch that runs no kernel."""
+  fn, spec, config, ops_struct = static
+  count = len(_present(ops_struct))
+  ops = _unflatten(ops_struct, args[:count])
+  r = jax.lax.axis_index(axis)
+  if ops.dropout_seed is not None:  # global rows, as in a ring hop
+    index = lambda axes, size: jax.lax.axis_index(axes) * size if axes else 0
+    ops = ops._replace(dropout_seed=dropout_lib.position_seed(
+        ops.dropout_seed, index(b_axes, local.batch), index(h_axes, local.heads_q),
+        r * local.seq_q, 0))
+  bands = [spec.band.sub_block(d * local.seq_q, local.seq_q, 0, spec.seq_k)
+           for d in range(n)]
+  distinct = [band for d, band in enumerate(bands) if band not in bands[:d]]
+  # The kernel adds the sinks itself: every row's keys are on this device.
+  spec_of = lambda band: dataclasses.replace(ring_lib.hop_spec(local, band),
+                                            num_sinks=local.num_sinks)
+  refs = jax.tree.leaves((ops, args[count:]))
+  zeros = lambda shape, dtype, fill=0.0: vary_like(
+      jnp.full(shape, fill, dtype), *refs)
+
+  def switch(run, empty, *operands):
+    branches = [functools.partial(run, band) if band is not None else empty
+                for band in distinct]
+    if len(branches) == 1:
+      return branches[0](*operands)
+    table = jnp.asarray([distinct.index(band) for band in bands], jnp.int32)
+    return jax.lax.switch(table[r], branches, *operands)
+
+  if kind == "fwd":
+    def empty(ops):
+      acc = jnp.promote_types(ops.q.dtype, jnp.float32)
+      out = zeros(ops.q.shape[:3] + (local.head_dim_v,), ops.q.dtype)
+      lse = zeros((local.batch, local.heads_q, local.seq_q), acc, -jnp.inf)
+      if local.num_sinks:
+        out, lse = epilogue.add_sinks(out, lse, ops.sinks)
+        out = out.astype(ops.q.dtype)
+      return out, lse
+
+    return switch(lambda band, ops: fn(ops, spec_of(band), config), empty, ops)
+
+  names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
+
+  def run(band, ops, out, lse, do, dlse):
+    grads = fn(ops, spec_of(band), config, out, lse, do, dlse)
+    return tuple(getattr(grads, n) for n in names)
+
+  def empty(ops, out, lse, do, dlse):
+    grads = {n: zeros(getattr(ops, n).shape, getattr(ops, n).dtype) for n in names}
+    if local.num_sinks:
+      grads["sinks"] = epilogue.sinks_grad(ops.sinks, lse,
+                                           epilogue.delta(out, do, dlse))
+    return tuple(grads[n] for n in names)
+
+  grads = switch(run, empty, ops, *args[count:])
+  # Each device's K/V cotangents are its rows' part of the sum.
+  return tuple(jax.lax.psum(g, axis) if n in ("k", "v") else
+               _summed(n, g, spec, b_axes, h_axes, axis)
+               for n, g in zip(names, grads))
+
+
 def _summed(name, g, spec: AttentionSpec, b_axes, h_axes, ring_axis=None):
   """The cotangent ``g`` of operand ``name``, summed over the split axes the
   operand is broadcast along (they hold partial sums): a bias with one batch
@@ -293,6 +391,13 @@ def _summed(name, g, spec: AttentionSpec, b_axes, h_axes, ring_axis=None):
   else:
     axes = ()
   return jax.lax.psum(g, axes) if axes else g
+
+
+def _kv_heads(ops_struct, args, f):
+  """``args`` with ``f`` applied to k and v."""
+  names = _present(ops_struct)
+  return tuple(f(x) if n in ("k", "v") else x for n, x in zip(names, args)) + tuple(
+      args[len(names):])
 
 
 def _with_shard_seed(ops_struct, args, b_axes, h_axes, local: AttentionSpec):

@@ -132,9 +132,9 @@ def attention(forward, backward, ops: Operands, spec: AttentionSpec, config, *,
   """``(out, lse)`` with the platform's forward, differentiable in both modes.
 
   ``forward`` and ``backward`` must be module-level functions (hashable, stable)
-  so that jit caches hit. ``per_shard`` runs them on each device's batch/head shard
+  so that jit caches hit. ``per_shard`` runs them on each device's shard
   (common/partition.py): kernel platforms need it, since XLA cannot split their
-  custom calls; plain-XLA platforms are split by XLA itself.
+  custom calls; the xla platform, for the ring on a split sequence.
   """
   if _capturing:
     raise _Captured((forward, backward, config))

@@ -298,20 +298,24 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
   assert float(jnp.std(rgrads[0])) > 0.05
 
 
-def _auto_mesh_ring(platform, rows_per_device=256, **extra):
-  """bf16 causal attention on sequences split over every device by an Auto mesh
-  axis, under jit: the partitioned call runs the ring (collective-permutes, no
-  all-gather); outputs and gradients match the fp32 reference on the same inputs.
-  Dropout where the platform has it (not Mosaic GPU)."""
+def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):
+  """bf16 causal attention split over every device by an Auto mesh axis, under
+  jit. ``split``: "ring", the sequences of q, k and v (the partitioned call runs
+  the ring: collective-permutes, no all-gather); "rows", q's rows alone (K/V
+  whole); "heads", MQA with q's heads split and K/V whole (each shard slices its
+  kv head). The last two move nothing but the K/V cotangents' sum. Outputs and
+  gradients match the fp32 reference on the same inputs. Dropout where the
+  platform has it (not Mosaic GPU)."""
   from jax.sharding import NamedSharding
   from flashjax.common import tolerances
   n = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("seq",))
-  sh = NamedSharding(mesh, P(None, "seq"))
+  sh = NamedSharding(mesh, P(None, None, "seq") if split == "heads" else P(None, "seq"))
   ks = jax.random.split(jax.random.key(0), 4)
   shape = lambda h: (2, rows_per_device * n, h, 64)
-  q, do = (jax.random.normal(x, shape(4), jnp.bfloat16) for x in ks[:2])
-  k, v = (jax.random.normal(x, shape(2), jnp.bfloat16) for x in ks[2:])
+  hq, hkv = (2 * n, 1) if split == "heads" else (4, 2)
+  q, do = (jax.random.normal(x, shape(hq), jnp.bfloat16) for x in ks[:2])
+  k, v = (jax.random.normal(x, shape(hkv), jnp.bfloat16) for x in ks[2:])
   kw = dict(causal=True)
   if platform != "pallas":
     kw.update(dropout_rate=0.1, dropout_seed=7)
@@ -323,10 +327,13 @@ def _auto_mesh_ring(platform, rows_per_device=256, **extra):
     return jax.value_and_grad(run, argnums=(0, 1, 2), has_aux=True)
 
   step = jax.jit(loss(flashjax.flash_attention, platform=platform, **extra))
-  args = [jax.device_put(x, sh) for x in (q, k, v)]
-  hlo = step.lower(*args).compile().as_text()
-  assert "collective-permute" in hlo and "all-gather" not in hlo
-  (_, out), grads = step(*args)
+  kv_sh = sh if split == "ring" else NamedSharding(mesh, P())
+  args = [jax.device_put(q, sh)] + [jax.device_put(x, kv_sh) for x in (k, v)]
+  compiled = step.lower(*args).compile()
+  hlo = compiled.as_text()
+  assert "all-gather" not in hlo
+  assert ("collective-permute" in hlo) == (split == "ring")
+  (_, out), grads = compiled(*args)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   (_, ref), ref_grads = loss(reference.attention)(*f32)
   tolerances.assert_close(np.asarray(out, np.float32), ref,
@@ -341,6 +348,14 @@ def _auto_mesh_ring(platform, rows_per_device=256, **extra):
 @pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
 def test_auto_mesh_ring_on_gpus(platform):
   _auto_mesh_ring(platform)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs 2 or more GPUs (the lent multi-GPU machines)")
+@pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
+@pytest.mark.parametrize("split", ["rows", "heads"])
+def test_auto_mesh_rows_and_heads_on_gpus(platform, split):
+  _auto_mesh_ring(platform, split=split)
 
 
 def _one_device(fn, *args):
@@ -361,3 +376,126 @@ def test_errors():
     _one_device(lambda q: flashjax.ring_attention(q, q, q, axis_name="nope"), q)
   with pytest.raises(ValueError, match="bias of shape"):
     _one_device(ring(bias=jnp.zeros((1, 2, 6, 5))), q)
+
+
+XLA_AUTO = PRELUDE + textwrap.dedent("""
+    # The xla platform on Auto mesh axes: its calls run per shard in
+    # custom_partitioning like the kernel platforms', so a sequence split runs the
+    # ring (collective-permutes, no all-gather); results equal the unsplit call's.
+    from jax.sharding import NamedSharding
+
+    def xla_auto(mesh, pspec, kv_pspec=None, sq=S, sk=S, hkv=2, **kw):
+        t0 = time.time()
+        sh = NamedSharding(mesh, P(*pspec))
+        kv_sh = NamedSharding(mesh, P(*(pspec if kv_pspec is None else kv_pspec)))
+        q, k, v = rand(B, sq, H, 16), rand(B, sk, hkv, 16), rand(B, sk, hkv, 16)
+        do, dlse = rand(B, sq, H, 16), rand(B, H, sq)
+        sinks = arrays["sinks"]
+        total = lambda out, lse: (jnp.sum(out * do) + jnp.sum(
+            jnp.where(jnp.isinf(lse), 0, lse) * dlse), (out, lse))
+        grad = lambda f: jax.value_and_grad(lambda q, k, v, s: total(*f(
+            q, k, v, sinks=s, return_lse=True, **kw)), argnums=(0, 1, 2, 3),
+            has_aux=True)
+        call = lambda *a, **x: flashjax.flash_attention(*a, platform="xla", **x)
+        step = jax.jit(grad(call))
+        args = (jax.device_put(q, sh), jax.device_put(k, kv_sh),
+                jax.device_put(v, kv_sh), sinks)
+        compiled = step.lower(*args).compile()
+        hlo = compiled.as_text()
+        (_, (out, lse)), grads = compiled(*args)
+        # The unsharded call (one device's program) and the reference.
+        (_, (uout, ulse)), ugrads = jax.jit(grad(call))(q, k, v, sinks)
+        (_, (rout, rlse)), rgrads = grad(reference.attention)(q, k, v, sinks)
+        np.testing.assert_allclose(out, uout, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, ulse, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
+        assert float(jnp.std(rout)) > 0.05, "a case that cannot fail"
+        for g, u, r in zip(grads, ugrads, rgrads):
+            np.testing.assert_allclose(g, u, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+        assert grads[0].sharding.spec[:2] == tuple(pspec[:2]), grads[0].sharding
+        print("ok xla auto", pspec, kv_pspec, sq, sk, kw, f"{{time.time() - t0:.1f}}s", flush=True)
+        return hlo
+
+    def ring_only(hlo):
+        assert "collective-permute" in hlo
+        for op in ("all-gather", "all-to-all"):
+            assert op not in hlo, op
+
+    seq = Mesh(np.array(jax.devices()), ("seq",))
+    data_seq = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq"))
+    # Causal: the zigzag layout, with dropout (global positions in the hash).
+    ring_only(xla_auto(seq, (None, "seq"), causal=True, dropout_rate=0.2,
+                       dropout_seed=4))
+    # Not causal, batch split on the other axis; MQA.
+    ring_only(xla_auto(data_seq, ("data", "seq"), hkv=1))
+    # Sq != Sk (contiguous rows), the band off the diagonal, heads on "data".
+    ring_only(xla_auto(data_seq, (None, "seq", "data"), sq=32,
+                       sliding_window=(20, 3)))
+    # Only q's rows split: K/V stay whole, each device attends its rows (XLA's
+    # own partitioning of the xla platform did so too). Sq > Sk: the first rows
+    # reach no key, the sinks alone.
+    hlo = xla_auto(data_seq, ("data", "seq"), ("data",), sk=32, causal=True,
+                   dropout_rate=0.1, dropout_seed=2)
+    for op in ("all-gather", "all-to-all", "collective-permute"):
+        assert op not in hlo, op
+
+    # Mosaic TPU in interpret mode: each kernel call waits for every device (the
+    # interpreter's rendezvous), and ring devices whose hops take different
+    # branches never meet (a hang); it refuses several devices at trace time.
+    x = rand(1, S, 2, 128)
+    try:
+        jax.jit(jax.shard_map(lambda x: flashjax.ring_attention(
+            x, x, x, axis_name="seq", causal=True, platform="pallas",
+            backend="tpu", interpret=True), mesh=seq, in_specs=P(None, "seq"),
+            out_specs=P(None, "seq"), check_vma=False))(x)
+    except NotImplementedError as e:
+        assert "interpret mode runs on one device" in str(e), e
+    else:
+        raise AssertionError("pallas-tpu interpret ran a ring on several devices")
+    print("OK")
+""")
+
+
+def test_xla_platform_auto_mesh_ring():
+  _run(XLA_AUTO, 4)
+
+
+def test_pallas_tpu_zigzag_ring_one_device():
+  """Mosaic TPU (interpret mode) as the ring's hop kernel: causal with a window,
+  GQA and sinks; out, lse and gradients (dq, dk, dv, dsinks) against the
+  reference. One device (zigzag order is the plain order there), whose two
+  chunks meet as two diagonal pairs, a windowed pair and an empty one; several
+  devices refuse interpret mode (XLA_AUTO)."""
+  ks = jax.random.split(jax.random.key(5), 6)
+  q, do = (jax.random.normal(x, (1, 64, 4, 32)) for x in ks[:2])
+  k, v = (jax.random.normal(x, (1, 64, 2, 32)) for x in ks[2:4])
+  dlse = jax.random.normal(ks[4], (1, 4, 64))
+  sinks = jax.random.normal(ks[5], (4,))
+  kw = dict(causal=True, sliding_window=(40, 0), return_lse=True)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+
+  def ring(q, k, v, sinks):
+    local = lambda q, k, v: flashjax.ring_attention(
+        q, k, v, axis_name="seq", layout="zigzag", platform="pallas", backend="tpu",
+        interpret=True, sinks=sinks, **kw)
+    row = P(None, "seq")
+    return jax.shard_map(local, mesh=mesh, in_specs=(row,) * 3,
+                         out_specs=(row, P(None, None, "seq")), check_vma=False)(
+                             q, k, v)
+
+  def check(f):
+    def total(*args):
+      out, lse = f(*args)
+      return jnp.sum(out * do) + jnp.sum(lse * dlse), (out, lse)
+    return jax.value_and_grad(total, argnums=(0, 1, 2, 3), has_aux=True)
+
+  (_, (out, lse)), grads = jax.jit(check(ring))(q, k, v, sinks)
+  (_, (rout, rlse)), rgrads = check(
+      lambda q, k, v, s: reference.attention(q, k, v, sinks=s, **kw))(q, k, v, sinks)
+  np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
+  np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
+  for g, r in zip(grads, rgrads):
+    np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
+  assert float(jnp.std(rgrads[0])) > 0.05

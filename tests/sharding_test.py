@@ -1,9 +1,8 @@
 """Inputs sharded over batch and heads on 4 CPU devices: each device computes its
 shard (no all-gather in the compiled HLO), forward and backward, and the result
-equals the unsharded reference. Covers the XLA platform (split by XLA's partitioner)
-and a kernel platform (Pallas-Triton in interpret mode, split by
-common/partition.py). Runs in a subprocess because the device count must be set
-before JAX starts."""
+equals the unsharded reference. Covers the XLA platform and a kernel platform
+(Pallas-Triton in interpret mode), both split by common/partition.py. Runs in a
+subprocess because the device count must be set before JAX starts."""
 
 import os
 import subprocess
@@ -105,8 +104,8 @@ def test_sharded_inputs_run_per_shard(platform, spec, kwargs):
 @pytest.mark.parametrize("platform", ["xla", "pallas-triton"])
 def test_sequence_sharding_moves_data_and_is_exact(platform):
   # Attention needs whole rows: a sequence-sharded input moves K/V between devices
-  # (xla gathers them; a kernel platform runs the ring, whose collective-permutes
-  # ring_test.py checks), so the check above is a real check; the result stays exact.
+  # (the ring, whose collective-permutes ring_test.py checks), so the check above
+  # is a real check; the result stays exact.
   _run(platform, ("data", "model", None, None), "dict(causal=True)",
        expect_gather=True)
 
@@ -147,13 +146,17 @@ EDGE_SCRIPT = textwrap.dedent("""
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
     ks = jax.random.split(jax.random.key(2), 3)
 
-    def check(q, k, v):
-        # Forward and gradients of the kernel platform against the reference.
-        f = lambda q, k, v: flashjax.flash_attention(
-            q, k, v, causal=True, platform="pallas-triton", interpret=True)
+    def check(q, k, v, gathers=True, **extra):
+        # Forward and gradients of the platform against the reference.
+        extra = extra or dict(platform="pallas-triton", interpret=True)
+        f = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True, **extra)
         loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
-        out, grads = jax.jit(lambda q, k, v: (
-            f(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+        step = jax.jit(lambda q, k, v: (
+            f(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)))
+        step = step.lower(q, k, v).compile()
+        if not gathers:
+            assert "all-gather" not in step.as_text()
+        out, grads = step(q, k, v)
         host = [np.asarray(jax.device_get(x)) for x in (q, k, v)]
         ref = lambda q, k, v: reference.attention(q, k, v, causal=True)
         np.testing.assert_allclose(jax.device_get(out), ref(*host), rtol=1e-4, atol=1e-5)
@@ -164,9 +167,15 @@ EDGE_SCRIPT = textwrap.dedent("""
     check(put(jax.random.normal(ks[0], (4, 16, 4, 16)), "x"),
           put(jax.random.normal(ks[1], (4, 16, 1, 16)), "x"),
           put(jax.random.normal(ks[2], (4, 16, 1, 16)), "x"))
-    # GQA with q heads split 4 ways and Hkv = 2 replicated: kv heads are gathered.
-    check(put(jax.random.normal(ks[0], (1, 16, 8, 16)), None, None, "x"),
-          jax.random.normal(ks[1], (1, 16, 2, 16)), jax.random.normal(ks[2], (1, 16, 2, 16)))
+    # GQA with q heads split 4 ways and Hkv = 2 replicated: each shard's two
+    # query heads read one kv head, which it slices; dK/dV summed over shards.
+    gqa = (put(jax.random.normal(ks[0], (1, 16, 8, 16)), None, None, "x"),
+           jax.random.normal(ks[1], (1, 16, 2, 16)), jax.random.normal(ks[2], (1, 16, 2, 16)))
+    check(*gqa, gathers=False)
+    check(*gqa, gathers=False, platform="xla")
+    # MQA, heads split: XLA's own partitioner split the xla platform so, no gather.
+    check(put(jax.random.normal(ks[0], (1, 16, 4, 16)), None, None, "x"),
+          gqa[1][:, :, :1], gqa[2][:, :, :1], gathers=False, platform="xla")
     # TPU interpret mode under jit with several devices raises at trace time (it
     # deadlocked XLA's collectives and aborted the process after 40 s).
     q = put(jax.random.normal(ks[0], (4, 16, 4, 16)), None, None, "x")

@@ -23,7 +23,11 @@ def attention_from_operands(ops, spec, config: XlaConfig | None = None):
   if reason:
     raise NotImplementedError(reason)
   config = platform.check_config(config or default_config(spec), XlaConfig, NAME)
-  return vjp.attention(forward, backward, ops, spec, config)
+  # Per shard like the kernel platforms (common/partition.py): XLA's own
+  # partitioner splits batch and heads as well, but gathers K/V of a sequence
+  # split by an Auto mesh axis; the partition callback runs the ring instead.
+  # One device: the call is the plain forward/backward (partition.enabled).
+  return vjp.attention(forward, backward, ops, spec, config, per_shard=True)
 
 
 flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)
