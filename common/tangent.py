@@ -31,6 +31,7 @@ from . import blocking
 from .blocking import pad_axis
 from . import dropout as dropout_lib
 from . import epilogue
+from .compat import vary_like
 from .mask import band_allowed
 from .spec import AttentionSpec, Operands
 
@@ -149,6 +150,9 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
     b_idx = jnp.arange(b, dtype=jnp.uint32)[:, None, None, None, None] + b_off
     h_idx = (jnp.arange(hkv * g, dtype=jnp.uint32).reshape(1, hkv, g, 1, 1)
              + h_off)
+  varying = [x for x in (q, k, v, lse_rows, dq, dk, dv, bias, dbias, dense)
+             if x is not None] + list(seg or ()) + (
+                 [seed] if spec.dropout_rate > 0 else [])
   mm = lambda spec_, x, y: jnp.einsum(spec_, x, y, precision=prec,
                                       preferred_element_type=acc)
 
@@ -205,8 +209,10 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
         a = a + mm("bhgqk,bhkd->bhgqd", p.astype(cdt), dv_b)
       return a, dl
 
-    init = (jnp.zeros((b, hkv, g, bq, spec.head_dim_v), acc),
-            jnp.zeros((b, hkv, g, bq), acc))
+    # Inside shard_map the body's sums vary along every axis its operands do;
+    # the carry must start so too.
+    init = (vary_like(jnp.zeros((b, hkv, g, bq, spec.head_dim_v), acc), *varying),
+            vary_like(jnp.zeros((b, hkv, g, bq), acc), *varying))
     return jax.lax.fori_loop(ranges[qi, 0], ranges[qi, 1], kv_step, init)
 
   a, dl = jax.lax.map(q_block, jnp.arange(nq))

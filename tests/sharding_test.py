@@ -228,6 +228,24 @@ JVP_SCRIPT = textwrap.dedent("""
         assert tangent.sharding.is_equivalent_to(sh, 4), tangent.sharding
         np.testing.assert_allclose(host(out), ref[0], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(host(tangent), ref[1], rtol=2e-4, atol=2e-4)
+    # Inside shard_map with varying axes checked, on local shards: grad (whose
+    # linearisation traces the tangent's loops) and jvp.
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    mine = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True,
+                                                    platform="xla")
+    spec4 = P("data", None, "model", None)
+    local = jax.jit(jax.shard_map(
+        lambda *a: (jax.grad(loss(mine), argnums=(0, 1, 2))(*a[:3]),
+                    jax.jvp(mine, a[:3], a[3:])[1]),
+        mesh=mesh, in_specs=(spec4,) * 6, out_specs=((spec4,) * 3, spec4),
+        check_vma=True))
+    grads, tangent = local(*args)
+    plain = lambda q, k, v: reference.attention(q, k, v, causal=True)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(*map(host, args[:3]))
+    for g, r in zip(grads, want):
+        np.testing.assert_allclose(host(g), r, rtol=2e-4, atol=2e-4)
+    want = jax.jvp(plain, tuple(map(host, args[:3])), tuple(map(host, args[3:])))[1]
+    np.testing.assert_allclose(host(tangent), want, rtol=2e-4, atol=2e-4)
     print("OK")
 """)
 
