@@ -241,7 +241,7 @@ def _wrapped(kind: str):
       grads = _grads(fn, ops_struct, args, local, config)
       names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
       if one_kv_head:  # each shard's part of its kv head, summed over the shards
-        grads = [jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+        grads = [_psum(jax.lax.dynamic_update_slice_in_dim(
             jnp.zeros(g.shape[:2] + (spec.heads_kv,) + g.shape[3:], g.dtype), g,
             kv_head, 2), h) if n in ("k", "v") else g for n, g in zip(names, grads)]
       return tuple(_summed(n, g, spec, b, h) for n, g in zip(names, grads))
@@ -371,7 +371,7 @@ def _rows_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *ar
 
   grads = switch(run, empty, ops, *args[count:])
   # Each device's K/V cotangents are its rows' part of the sum.
-  return tuple(jax.lax.psum(g, axis) if n in ("k", "v") else
+  return tuple(_psum(g, axis) if n in ("k", "v") else
                _summed(n, g, spec, b_axes, h_axes, axis)
                for n, g in zip(names, grads))
 
@@ -390,7 +390,14 @@ def _summed(name, g, spec: AttentionSpec, b_axes, h_axes, ring_axis=None):
     axes = tuple(b_axes) + ring
   else:
     axes = ()
-  return jax.lax.psum(g, axes) if axes else g
+  return _psum(g, axes) if axes else g
+
+
+def _psum(g, axes):
+  """``psum`` of partial cotangents in fp32 (at least), rounded once to ``g``'s
+  dtype, as the ring sums its hops: bf16 partial sums would round at every add."""
+  wide = jnp.promote_types(g.dtype, jnp.float32)
+  return jax.lax.psum(g.astype(wide), axes).astype(g.dtype)
 
 
 def _kv_heads(ops_struct, args, f):

@@ -194,8 +194,8 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   def on_key_rows(q, k, v):
     rows = k.shape[0]
     pos = _q_on_key_rows(cu_seqlens_q, cu_seqlens_k, q.shape[0], rows, seqused_k)
-    placed = jnp.zeros((rows,) + q.shape[1:], q.dtype).at[pos].set(
-        q, mode="drop", unique_indices=True)
+    # Not unique: every padding row maps to the same dropped index.
+    placed = jnp.zeros((rows,) + q.shape[1:], q.dtype).at[pos].set(q, mode="drop")
     q_ids = jnp.full((rows,), -1, jnp.int32).at[pos].set(
         _cu_to_ids(cu_seqlens_q, q.shape[0], -1), mode="drop")
     out = attend(placed, k, v, q_ids,

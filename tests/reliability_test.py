@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax.common import conformance_x64, reference, tolerances
+from flashjax.common import compat, conformance_x64, reference, tolerances
 
 TOL = tolerances.forward("float32")
 
@@ -117,7 +117,7 @@ def test_wide_segment_ids_with_key_padding_stay_distinct():
   kpm = jnp.arange(16)[None] < jnp.array([[12], [16]])
   want = reference.attention(q, k, v, segment_ids=(ids, ids),
                              mask=kpm[:, None, None, :])
-  with conformance_x64.enable_x64():
+  with compat.enable_x64():
     wide = ids.astype(jnp.int64) * conformance_x64.WIDE  # 0 and 2**32
     got = jax.jit(lambda q, k, v, ids: flashjax.flash_attention(
         q, k, v, segment_ids=(ids, ids), key_padding_mask=kpm))(q, k, v, wide)
