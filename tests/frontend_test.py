@@ -182,6 +182,19 @@ def test_flash_mha_varlen_cross_attention_and_errors():
     flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 0, 9)
 
 
+def _varlen_reference(lens_q, lens_k, total_q, **kw):
+  """The reference on each sequence of packed ``[total, H, D]`` rows alone,
+  padding rows 0: what ``flash_mha_varlen`` must give."""
+  def run(q, k, v):
+    outs, a, b = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k):
+      outs.append(reference.attention(q[None, a:a + nq], k[None, b:b + nk],
+                                      v[None, b:b + nk], **kw)[0])
+      a, b = a + nq, b + nk
+    return jnp.concatenate(outs + [jnp.zeros((total_q - a,) + q.shape[1:])])
+  return run
+
+
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (3, 0)),
                                            (True, (4, -1))])
 def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
@@ -202,14 +215,8 @@ def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
     return flashjax.flash_mha_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                      is_causal=causal, window_size=window)
 
-  def per_sequence(q, k, v):
-    outs, a, b = [], 0, 0
-    for nq, nk in zip(lens_q, lens_k):
-      outs.append(reference.attention(q[None, a:a + nq], k[None, b:b + nk],
-                                      v[None, b:b + nk], causal=causal,
-                                      sliding_window=window)[0])
-      a, b = a + nq, b + nk
-    return jnp.concatenate(outs + [jnp.zeros((tq - a,) + q.shape[1:])])
+  per_sequence = _varlen_reference(lens_q, lens_k, tq, causal=causal,
+                                   sliding_window=window)
 
   out, vjp = jax.vjp(jax.jit(packed), q, k, v)
   ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
@@ -237,14 +244,8 @@ def test_flash_mha_varlen_queries_on_their_keys_rows():
   run = lambda q, k, v, a, b: flashjax.flash_mha_varlen(
       q, k, v, a, b, max(lens_q), max(lens_k), is_causal=True, window_size=(5, -1))
 
-  def per_sequence(q, k, v):
-    outs, a, b = [], 0, 0
-    for nq, nk in zip(lens_q, lens_k):
-      outs.append(reference.attention(q[None, a:a + nq], k[None, b:b + nk],
-                                      v[None, b:b + nk], causal=True,
-                                      sliding_window=(5, -1))[0])
-      a, b = a + nq, b + nk
-    return jnp.concatenate(outs + [jnp.zeros((tq - a,) + q.shape[1:])])
+  per_sequence = _varlen_reference(lens_q, lens_k, tq, causal=True,
+                                   sliding_window=(5, -1))
 
   rows = f"[{tq + tk},"  # the end-aligned layout's row count
   assert rows not in str(jax.make_jaxpr(lambda q, k, v: run(q, k, v, cu_q, cu_k))(
