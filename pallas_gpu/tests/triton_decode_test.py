@@ -137,3 +137,22 @@ def test_default_tiles_fit_shared_memory():
   s = mk(seq_q=16)
   assert triton_decode.shared_bytes(triton_decode.DecodeConfig(
       block_kv=128, num_stages=4), s, triton_decode._rows(s)) == 278528
+
+
+def test_kvcache_default_tiles_are_the_tiles_that_run():
+  """Pages under 64 positions bound the key tile; the default says so, so that
+  fitting it to shared memory keeps the deep pipeline its short tiles were
+  measured with (sized for 128-key tiles, 6 stages were cut to 3)."""
+  from flashjax.common import kvcache as kv
+  from flashjax.pallas_gpu.triton import kvcache as tk
+  budget = 232448 - 4096
+  mk = lambda **kw: kv.KvCacheSpec(**{**dict(
+      batch=64, seq_q=1, heads_q=32, heads_kv=8, head_dim=128, head_dim_v=128,
+      dtype="bfloat16", softmax_scale=0.1, cache_rows=64 * 512, capacity=8192,
+      page_size=16, num_splits=0), **kw})
+  for spec, want in ((mk(), (16, 6, 2)), (mk(page_size=32), (32, 6, 2)),
+                     (mk(seq_q=16), (16, 8, 4)), (mk(page_size=64), (64, 3, 4)),
+                     (mk(page_size=None, cache_rows=64), (128, 3, 4))):
+    cfg = triton_decode.fit(tk.default_config(spec), spec, tk._rows(spec), budget)
+    assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)
+    assert tk._block_kv(spec, cfg) == cfg.block_kv

@@ -12,6 +12,7 @@ their values zeroed before the product.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -62,15 +63,23 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
   128, pages of 16) 6 stages over 2 warps read 3968 / 3141 / 2800 GB/s at B64
   Sk8k / B8 Sk64k / B1 Sk128k against 2637 / 1681 / 1578 with the 3-stage 4-warp
   tiles, and 8 stages over 4 warps 2253 against 1600 at Sq = 16
-  (docs/reports/2026-11-24-h200-kvcache.txt)."""
+  (docs/reports/2026-11-24-h200-kvcache.txt).
+
+  ``block_kv`` is the tile that runs (at most the page), so that :func:`td.fit`
+  sizes the pipeline's stages for it: sized for the nominal 128-key tile, 6
+  stages of 16-key tiles were cut to 3 and page 16 read 3028 GB/s at B64 Sk8k
+  instead of 3968 (H200, 2026-11-24)."""
   rows, ns = _rows(spec), spec.num_splits
   if spec.paged and spec.page_size < 64:
     if rows > 16:
-      return td.DecodeConfig(block_kv=64, num_stages=8, num_warps=4, num_splits=ns)
-    return td.DecodeConfig(block_kv=128, num_stages=6, num_warps=2, num_splits=ns)
-  if rows > 16:
-    return td.DecodeConfig(block_kv=64, num_stages=2, num_splits=ns)
-  return td.DecodeConfig(block_kv=128, num_stages=3, num_splits=ns)
+      cfg = td.DecodeConfig(block_kv=64, num_stages=8, num_warps=4, num_splits=ns)
+    else:
+      cfg = td.DecodeConfig(block_kv=128, num_stages=6, num_warps=2, num_splits=ns)
+  elif rows > 16:
+    cfg = td.DecodeConfig(block_kv=64, num_stages=2, num_splits=ns)
+  else:
+    cfg = td.DecodeConfig(block_kv=128, num_stages=3, num_splits=ns)
+  return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg))
 
 
 def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
