@@ -32,7 +32,12 @@ def _rows(cu, total, used=None):
   offset and, with ``used`` (flash-attn3's ``seqused_k``), among the first
   ``used[s]`` rows of its sequence."""
   rows = jnp.arange(total)
-  s = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0, cu.shape[0] - 2)
+  # A row's sequence is the number of inner offsets at or before it: a scatter
+  # and a prefix sum, one pass each. (jnp.searchsorted's default scan is a loop
+  # that an H200 ran as a while loop with a host round trip per step: 40 us of a
+  # 0.35 ms varlen forward, 8 x 2048 causal, 2026-11-24.)
+  starts = jnp.zeros((total,), jnp.int32).at[cu[1:-1]].add(1, mode="drop")
+  s = jnp.clip(jnp.cumsum(starts), 0, cu.shape[0] - 2)
   real = rows < cu[-1]
   if used is not None:
     real &= rows - cu[s] < used[s]
