@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from . import configs
 from . import timer as timer_lib
 
 
@@ -128,9 +129,9 @@ def kernel_rounds(fwd, bwd) -> tuple[Round, Round]:
   """The two rounds of a config with ``fwd``, ``dq`` and ``dkv`` kernels
   (common/launch.py): the forward's tiles (set in the config's own forward class,
   so its launch flags stay), then ``(dq, dkv)`` pairs with the winning forward."""
-  tiles = lambda best, c: dataclasses.replace(best, fwd=dataclasses.replace(
-      best.fwd, block_q=c.block_q, block_kv=c.block_kv, num_warps=c.num_warps,
-      num_stages=c.num_stages))
+  tiles = lambda best, c: configs.with_part(
+      best, "fwd", block_q=c.block_q, block_kv=c.block_kv, num_warps=c.num_warps,
+      num_stages=c.num_stages)
   return (Round(False, lambda best: [tiles(best, c) for c in fwd]),
           Round(True, lambda best: [dataclasses.replace(best, dq=dq, dkv=dkv)
                                     for dq, dkv in bwd]))
