@@ -137,6 +137,29 @@ def kernel_rounds(fwd, bwd) -> tuple[Round, Round]:
                                     for dq, dkv in bwd]))
 
 
+def kernel_tuner(platform: str, config_cls, candidates, key_prefix: str = "") -> "Tuner":
+  """The search of a config with ``fwd``, ``dq`` and ``dkv`` kernels: its
+  :func:`kernel_rounds` over ``candidates(spec) -> (forward, backward)``,
+  cached in ``dataclasses.asdict`` form (read back by ``config_cls.from_json``)."""
+  return Tuner(JsonCache(platform, dataclasses.asdict, config_cls.from_json,
+                         key_prefix=key_prefix),
+               lambda spec: kernel_rounds(*candidates(spec)))
+
+
+# Head dims above this tune from a platform's narrower candidate tables: q, k, v
+# and dO tiles of 256 columns leave room for narrow tiles only.
+WIDE_HEAD_DIM = 128
+
+
+def by_head_dim(narrow, wide):
+  """``candidates(spec) -> (forward, backward)`` of a config with ``fwd``, ``dq``
+  and ``dkv`` kernels: the ``wide`` pair of tables for head dims over
+  :data:`WIDE_HEAD_DIM`, else the ``narrow`` one."""
+  def candidates(spec):
+    return wide if max(spec.head_dim, spec.head_dim_v) > WIDE_HEAD_DIM else narrow
+  return candidates
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuner:
   """A platform's search: its cache and ``rounds(spec) -> [Round, ...]``. Each

@@ -1,7 +1,7 @@
 """The nested-config helpers of common/configs.py on the kernels config of
 common/launch.py and a platform-style subclass with its own forward class: the
-part check, the JSON form read back (old layouts a clear error, a cache miss)
-and one part's fields replaced."""
+part check, the JSON form read back (old layouts a clear error, a cache miss),
+one part's fields replaced, and the candidate tables chosen by head dim."""
 
 import dataclasses
 import json
@@ -100,3 +100,11 @@ def test_with_part_replaces_one_part_and_keeps_its_class():
   with pytest.raises(ValueError, match="block_q must be a power of two"):
     configs.with_part(CFG, "dq", block_q=48)
 
+
+def test_by_head_dim_takes_the_wide_tables_over_128():
+  narrow, wide = ("fwd", "bwd"), ("wide fwd", "wide bwd")
+  pick = autotune.by_head_dim(narrow, wide)
+  spec = lambda d, dv=None: spec_lib.abstract_spec(batch=1, seq_q=8, seq_k=8, heads_q=1,
+                                                   head_dim=d, head_dim_v=dv)
+  assert pick(spec(128)) == narrow and pick(spec(64, 128)) == narrow
+  assert pick(spec(129)) == wide and pick(spec(64, 256)) == wide
