@@ -196,8 +196,8 @@ def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (autotune.py, common/autotune.py)."""
   return autotune.TUNER.resolve(spec, config, attention=flash_attention,
-                                       default=default_config(spec),
-                                       may_tune=jax.default_backend() == "gpu")
+                                default=default_config(spec),
+                                may_tune=jax.default_backend() == "gpu")
 
 
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):

@@ -334,7 +334,7 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   timer = lambda fn, args: next(bwd_times if len(args) == 3 and getattr(
       fn, "_grad", False) else fwd_times)
   run = common_autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
-                                                 interpret=True))
+                                                        interpret=True))
 
   def marked(cfg, with_grad):
     fn, args = run(cfg, with_grad)
