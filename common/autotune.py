@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from . import configs
 from . import timer as timer_lib
 
 
@@ -128,12 +129,35 @@ def kernel_rounds(fwd, bwd) -> tuple[Round, Round]:
   """The two rounds of a config with ``fwd``, ``dq`` and ``dkv`` kernels
   (common/launch.py): the forward's tiles (set in the config's own forward class,
   so its launch flags stay), then ``(dq, dkv)`` pairs with the winning forward."""
-  tiles = lambda best, c: dataclasses.replace(best, fwd=dataclasses.replace(
-      best.fwd, block_q=c.block_q, block_kv=c.block_kv, num_warps=c.num_warps,
-      num_stages=c.num_stages))
+  tiles = lambda best, c: configs.with_part(
+      best, "fwd", block_q=c.block_q, block_kv=c.block_kv, num_warps=c.num_warps,
+      num_stages=c.num_stages)
   return (Round(False, lambda best: [tiles(best, c) for c in fwd]),
           Round(True, lambda best: [dataclasses.replace(best, dq=dq, dkv=dkv)
                                     for dq, dkv in bwd]))
+
+
+def kernel_tuner(platform: str, config_cls, candidates, key_prefix: str = "") -> "Tuner":
+  """The search of a config with ``fwd``, ``dq`` and ``dkv`` kernels: its
+  :func:`kernel_rounds` over ``candidates(spec) -> (forward, backward)``,
+  cached in ``dataclasses.asdict`` form (read back by ``config_cls.from_json``)."""
+  return Tuner(JsonCache(platform, dataclasses.asdict, config_cls.from_json,
+                         key_prefix=key_prefix),
+               lambda spec: kernel_rounds(*candidates(spec)))
+
+
+# Head dims above this tune from a platform's narrower candidate tables: q, k, v
+# and dO tiles of 256 columns leave room for narrow tiles only.
+WIDE_HEAD_DIM = 128
+
+
+def by_head_dim(narrow, wide):
+  """``candidates(spec) -> (forward, backward)`` of a config with ``fwd``, ``dq``
+  and ``dkv`` kernels: the ``wide`` pair of tables for head dims over
+  :data:`WIDE_HEAD_DIM`, else the ``narrow`` one."""
+  def candidates(spec):
+    return wide if max(spec.head_dim, spec.head_dim_v) > WIDE_HEAD_DIM else narrow
+  return candidates
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import hardware
+from . import configs, hardware
 
 
 def tile_size(n: int) -> int:
@@ -54,6 +54,7 @@ class KernelsConfig:
   fp32_precision: str = "ieee"
 
   def __post_init__(self):
+    configs.check_parts(self)
     if self.fp32_precision not in ("ieee", "tf32"):
       raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got "
                        f"{self.fp32_precision!r}")
@@ -62,10 +63,8 @@ class KernelsConfig:
   def from_json(cls, d: dict) -> "KernelsConfig":
     """The inverse of ``dataclasses.asdict``: each kernel's dict becomes its
     field's class (a subclass's forward class included); missing fields take
-    their defaults, unknown ones raise ``TypeError``."""
-    kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)
-             if f.name in ("fwd", "dq", "dkv")}
-    return cls(**{k: kinds[k](**v) if k in kinds else v for k, v in d.items()})
+    their defaults, unknown ones raise ``TypeError`` (common/configs.py)."""
+    return configs.from_dict(cls, d)
 
 
 def kernel_configs(*rows) -> tuple[KernelConfig, ...]:

@@ -9,12 +9,12 @@ A candidate is ``block_q,block_kv,num_warps,num_stages`` (e.g. ``128,64,8,3``);
 ``-,nosplit``); without them the default's stand.
 """
 
-import dataclasses
 import functools
 import sys
 
 from tools import sweeps
 from flashjax.benchmarks.impls import _jax_pallas_triton
+from flashjax.common import configs
 from flashjax.common.spec import canonicalize
 from flashjax.pallas_gpu.triton import pallas_triton
 
@@ -28,13 +28,13 @@ def _config(text, q, k, v, causal):
   flags = {"fold": "fold_causal", "split": "split_tail"}
   while parts[-1].removeprefix("no") in flags:
     flag = parts.pop()
-    base = dataclasses.replace(base, fwd=dataclasses.replace(
-        base.fwd, **{flags[flag.removeprefix("no")]: not flag.startswith("no")}))
+    base = configs.with_part(
+        base, "fwd", **{flags[flag.removeprefix("no")]: not flag.startswith("no")})
   if parts == ["-"]:
     return base
   bq, bk, w, s = (int(x) for x in parts)
-  return dataclasses.replace(base, fwd=dataclasses.replace(
-      base.fwd, block_q=bq, block_kv=bk, num_warps=w, num_stages=s))
+  return configs.with_part(base, "fwd", block_q=bq, block_kv=bk, num_warps=w,
+                           num_stages=s)
 
 
 def main():

@@ -6,8 +6,6 @@ prefixed ``triton|``, and later calls and processes read it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..common import autotune as common
 from ..common.launch import KernelsConfig, kernel_configs, kernel_pairs
 
@@ -23,13 +21,9 @@ WIDE_BWD_CANDIDATES = kernel_pairs(
     (32, 32, 4, 1), ((64, 32, 4, 2), (32, 64, 4, 2)), (64, 64, 8, 1))
 
 
-def candidates(spec):
-  if max(spec.head_dim, spec.head_dim_v) > 128:
-    return WIDE_FWD_CANDIDATES, WIDE_BWD_CANDIDATES
-  return FWD_CANDIDATES, BWD_CANDIDATES
+# ``(forward, backward)`` candidate tables for ``spec``'s head dim.
+candidates = common.by_head_dim((FWD_CANDIDATES, BWD_CANDIDATES),
+                                (WIDE_FWD_CANDIDATES, WIDE_BWD_CANDIDATES))
 
 
-TUNER = common.Tuner(
-    common.JsonCache("triton", dataclasses.asdict, KernelsConfig.from_json,
-                     key_prefix="triton|"),
-    lambda spec: common.kernel_rounds(*candidates(spec)))
+TUNER = common.kernel_tuner("triton", KernelsConfig, candidates, key_prefix="triton|")

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 
 from ...common import autotune as common
+from ...common import configs
 from .config import (MosaicConfig, from_json, padded_head_dim, to_json,
                      uses_mosaic_backward)
 
@@ -50,7 +51,7 @@ CACHE = common.JsonCache("pallas_mosaic_gpu", to_json,
 def forward_candidates(spec, best: MosaicConfig):
   """``best`` with its forward's tiles and launch varied."""
   d = padded_head_dim(spec)
-  return [dataclasses.replace(best, fwd=dataclasses.replace(best.fwd, **tiles, **launch))
+  return [configs.with_part(best, "fwd", **tiles, **launch)
           for tiles in FORWARD[d] for launch in LAUNCH]
 
 
@@ -63,8 +64,7 @@ def backward_candidates(spec, best: MosaicConfig):
   def vary(kernel, fields):
     if not kernel:
       return dataclasses.replace(best, **fields)
-    part = dataclasses.replace(getattr(best, kernel), **fields)
-    return dataclasses.replace(best, **{kernel: part})
+    return configs.with_part(best, kernel, **fields)
 
   return [vary(kernel, fields) for kernel, fields in BACKWARD]
 

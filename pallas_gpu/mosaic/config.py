@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...common import configs
 from ..triton.plan import TritonConfig
 
 HEAD_DIMS = (64, 128, 256)
@@ -131,10 +132,7 @@ class MosaicConfig:
   backward: TritonConfig | None = None
 
   def __post_init__(self):
-    for name, kind in (("fwd", MosaicForward), ("dq", MosaicDq), ("dkv", MosaicDkv)):
-      if type(getattr(self, name)) is not kind:
-        raise ValueError(f"{name} must be a {kind.__name__}, got "
-                         f"{getattr(self, name)!r}")
+    configs.check_parts(self)
     if self.backward_kernel not in BACKWARD_KERNELS:
       raise ValueError(f"backward_kernel must be one of {BACKWARD_KERNELS}, got "
                        f"{self.backward_kernel!r}")
@@ -155,9 +153,9 @@ def to_json(cfg: MosaicConfig) -> dict:
 
 def from_json(d: dict) -> MosaicConfig:
   """The inverse of :func:`to_json`; a missing part or field takes its default.
-  Unknown fields (an entry of an older layout) raise ``TypeError``."""
-  parts = {"fwd": MosaicForward, "dq": MosaicDq, "dkv": MosaicDkv}
-  return MosaicConfig(**{k: parts[k](**v) if k in parts else v for k, v in d.items()})
+  Unknown fields (an entry of an older layout) raise ``TypeError``
+  (common/configs.py)."""
+  return configs.from_dict(MosaicConfig, d)
 
 
 def padded_head_dim(spec) -> int | None:

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ...common import epilogue, hardware, platform, segments, vjp
+from ...common import configs, epilogue, hardware, platform, segments, vjp
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
@@ -196,8 +196,8 @@ def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
   heuristic (autotune.py, common/autotune.py)."""
   return autotune.TUNER.resolve(spec, config, attention=flash_attention,
-                                       default=default_config(spec),
-                                       may_tune=jax.default_backend() == "gpu")
+                                default=default_config(spec),
+                                may_tune=jax.default_backend() == "gpu")
 
 
 def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
@@ -216,8 +216,8 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        f"{BIAS_FORWARD.num_stages} (the additive tile shares shared "
                        f"memory with the K/V ring), got fwd.block_kv="
                        f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
-    config = dataclasses.replace(config, fwd=dataclasses.replace(
-        config.fwd, block_kv=BIAS_FORWARD.block_kv, num_stages=BIAS_FORWARD.num_stages))
+    config = configs.with_part(config, "fwd", block_kv=BIAS_FORWARD.block_kv,
+                               num_stages=BIAS_FORWARD.num_stages)
   # The Pallas-Triton backward's tiles (D > 128) travel in the config.
   config = dataclasses.replace(config, backward=config.backward or
                                pallas_triton.resolve_config(spec, None, False))

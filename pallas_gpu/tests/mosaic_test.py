@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax.common import (autotune, conformance, hardware, platform, spec as spec_lib,
-                             tolerances)
+from flashjax.common import (autotune, configs, conformance, hardware, platform,
+                             spec as spec_lib, tolerances)
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu.mosaic import blocks as mosaic_blocks, mosaic
 from flashjax.pallas_gpu.triton import pallas_triton
@@ -219,8 +219,8 @@ def test_every_variant_lowers_for_cuda(variant):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
     config = mosaic.default_config(spec)
-    config = dataclasses.replace(config, fwd=dataclasses.replace(
-        config.fwd, persistent=persistent, split_tail=split_tail))
+    config = configs.with_part(config, "fwd", persistent=persistent,
+                               split_tail=split_tail)
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
     static = platform.Static(config)
@@ -288,7 +288,8 @@ def test_config_validation():
          (mosaic.MosaicDkv, dict(block_q=40), "MosaicDkv: block_q .* got 40"),
          (mosaic.MosaicConfig, dict(backward_kernel="cudnn"), "backward_kernel .*cudnn"),
          (mosaic.MosaicConfig, dict(bwd_one_launch=1), "bwd_one_launch .* got 1"),
-         (mosaic.MosaicConfig, dict(dq=mosaic.MosaicDkv()), "dq must be a MosaicDq")]
+         (mosaic.MosaicConfig, dict(dq=mosaic.MosaicDkv()),
+          "MosaicConfig: dq must be a MosaicDq, got MosaicDkv")]
   for cls, kw, match in bad:
     with pytest.raises(ValueError, match=match):
       cls(**kw)
@@ -446,9 +447,9 @@ def test_split_tail_matches_unsplit_and_reference(kw):
     kw["sinks"] = jax.random.normal(ks[4], (hq, 1), jnp.float32)
   spec = spec_lib.canonicalize(q, k, v, **kw)[1]
   base = mosaic.default_config(spec)
-  on = dataclasses.replace(base, fwd=dataclasses.replace(base.fwd, split_tail=True))
+  on = configs.with_part(base, "fwd", split_tail=True)
   assert mosaic_blocks.tail_plan(mosaic.geometry(spec, on))
-  off = dataclasses.replace(on, fwd=dataclasses.replace(on.fwd, split_tail=False))
+  off = configs.with_part(on, "fwd", split_tail=False)
 
   def run(attn, q, k, v):
     def loss(q, k, v):

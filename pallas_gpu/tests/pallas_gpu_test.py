@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import flashjax
-from flashjax.common import (conformance, conformance_kvcache, conformance_packed, platform,
-                             spec, tolerances)
+from flashjax.common import (configs, conformance, conformance_kvcache, conformance_packed,
+                             platform, spec, tolerances)
 from flashjax.pallas_gpu import split_tail, tail_merge
 from flashjax.pallas_gpu.triton import pallas_triton
 from flashjax.pallas_gpu.triton.plan import KernelConfig, TritonConfig, TritonForward
@@ -21,11 +21,6 @@ ON_GPU = jax.default_backend() == "gpu"
 SMALL = TritonConfig(fwd=TritonForward(block_q=32, block_kv=16, fold_causal=True),
                      dq=KernelConfig(block_q=16, block_kv=32),
                      dkv=KernelConfig(block_q=32, block_kv=16))
-
-
-def with_forward(cfg, **fields):
-  """``cfg`` with its forward's tiles or launch flags replaced."""
-  return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, **fields))
 
 
 def tiles(c):
@@ -135,7 +130,7 @@ def test_folded_forward_equals_one_program_per_block(seq):
       q, k, v, causal=True, bias=bias, segment_ids=(ids, ids), dropout_rate=0.2,
       dropout_seed=jnp.int32(3), return_lse=True, interpret=True, config=cfg)
   folded = run(SMALL)
-  plain = run(with_forward(SMALL, fold_causal=False))
+  plain = run(configs.with_part(SMALL, "fwd", fold_causal=False))
   for a, b in zip(folded, plain):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -161,7 +156,8 @@ def test_config_validation():
     TritonForward(fold_causal=None, **fwd)
   with pytest.raises(ValueError, match="tail_slots must be an int >= 0, got -1"):
     TritonForward(tail_slots=-1, **fwd)
-  with pytest.raises(ValueError, match="fwd must be a TritonForward"):
+  with pytest.raises(ValueError,
+                     match="TritonConfig: fwd must be a TritonForward, got KernelConfig"):
     TritonConfig(fwd=KernelConfig(**fwd))
   # The cache's JSON form round-trips, forward class included.
   assert TritonConfig.from_json(dataclasses.asdict(SMALL)) == SMALL
@@ -219,7 +215,8 @@ def test_split_tail_lowers_for_cuda():
   assert "tensor<68x5x128x128xf32>" in text
 
 
-SPLIT = with_forward(SMALL, fold_causal=False, split_tail=True, tail_slots=5)
+SPLIT = configs.with_part(SMALL, "fwd", fold_causal=False, split_tail=True,
+                          tail_slots=5)
 
 
 @pytest.mark.parametrize("dtype,combine_rows", [("float32", 32), ("bfloat16", 32),
@@ -243,7 +240,7 @@ def test_split_tail_forward_matches_whole_programs(dtype, combine_rows, monkeypa
   run = lambda cfg: pallas_triton.flash_attention(
       q, k, v, bias=bias, mask=mask, segment_ids=(ids_q, ids_k), logits_soft_cap=30.0,
       return_lse=True, interpret=True, config=cfg)
-  split, whole = run(SPLIT), run(with_forward(SPLIT, split_tail=False))
+  split, whole = run(SPLIT), run(configs.with_part(SPLIT, "fwd", split_tail=False))
   for a, b in zip(split, whole):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(a).all() and np.abs(b).max() > 0
@@ -337,7 +334,7 @@ def test_autotune_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
   timer = lambda fn, args: next(bwd_times if len(args) == 3 and getattr(
       fn, "_grad", False) else fwd_times)
   run = common_autotune.random_run(s, functools.partial(pallas_triton.flash_attention,
-                                                 interpret=True))
+                                                        interpret=True))
 
   def marked(cfg, with_grad):
     fn, args = run(cfg, with_grad)

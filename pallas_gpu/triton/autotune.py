@@ -11,8 +11,6 @@ another, read the cache without timing. The cache lives in
 
 from __future__ import annotations
 
-import dataclasses
-
 from ...common import autotune as common
 from ...common.launch import kernel_configs, kernel_pairs
 from .plan import TritonConfig
@@ -32,13 +30,9 @@ WIDE_BWD_CANDIDATES = kernel_pairs(
     (64, 64, 8, 1), ((128, 32, 8, 1), (32, 128, 8, 1)))
 
 
-def candidates(spec):
-  """``(forward, backward)`` candidate lists for ``spec``'s head dim."""
-  if max(spec.head_dim, spec.head_dim_v) > 128:
-    return WIDE_FWD_CANDIDATES, WIDE_BWD_CANDIDATES
-  return FWD_CANDIDATES, BWD_CANDIDATES
+# ``(forward, backward)`` candidate tables for ``spec``'s head dim.
+candidates = common.by_head_dim((FWD_CANDIDATES, BWD_CANDIDATES),
+                                (WIDE_FWD_CANDIDATES, WIDE_BWD_CANDIDATES))
 
 
-TUNER = common.Tuner(
-    common.JsonCache("pallas_triton", dataclasses.asdict, TritonConfig.from_json),
-    lambda spec: common.kernel_rounds(*candidates(spec)))
+TUNER = common.kernel_tuner("pallas_triton", TritonConfig, candidates)
