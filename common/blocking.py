@@ -1,6 +1,6 @@
-"""Index math shared by every blockwise platform: padding, block counts, the
-block ranges the band lets each q block (or kv block) reach, and the global
-positions of a block's elements.
+"""Index math shared by every blockwise platform: padding (and the padded sizes
+of the Triton-based kernels), block counts, the block ranges the band lets each
+q block (or kv block) reach, and the global positions of a block's elements.
 
 The range functions work on Python ints (and NumPy arrays of them), giving NumPy
 values for tables built at trace time, and on traced int32 scalars or arrays,
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .launch import tile_size
 from .mask import Band
 
 # Kernels run the softmax in base 2 (exp2 is one instruction on GPUs): logits are
@@ -46,6 +47,42 @@ def pad_broadcastable(x, seq_q_padded: int, seq_k_padded: int, value=0):
   if x.shape[3] > 1:
     x = pad_axis(x, 3, seq_k_padded, value)
   return x
+
+
+def round_up(n: int, multiple: int) -> int:
+  """``n`` rounded up to a multiple of ``multiple``."""
+  return -(-n // multiple) * multiple
+
+
+def shared_padding(kernels) -> tuple[int, int]:
+  """``(pad_q, pad_k)``: the largest ``block_q`` and ``block_kv`` of
+  ``kernels`` (the tile configs of one call's forward and backward kernels), so
+  that sequences padded to their multiples serve every kernel."""
+  return max(c.block_q for c in kernels), max(c.block_kv for c in kernels)
+
+
+class PaddedLengths:
+  """The padded sizes of the Triton-based kernels, as properties of a class with
+  the attributes ``spec`` (an AttentionSpec), ``pad_q`` and ``pad_k``
+  (:func:`shared_padding`): sequences rounded up to multiples of ``pad_q`` /
+  ``pad_k``, head dims to powers of two of at least 16 (``launch.tile_size``,
+  Triton's block shapes; zero padding adds nothing to q.k or to p.v)."""
+
+  @property
+  def seq_q_padded(self) -> int:
+    return round_up(self.spec.seq_q, self.pad_q)
+
+  @property
+  def seq_k_padded(self) -> int:
+    return round_up(self.spec.seq_k, self.pad_k)
+
+  @property
+  def head_dim_padded(self) -> int:
+    return tile_size(self.spec.head_dim)
+
+  @property
+  def head_dim_v_padded(self) -> int:
+    return tile_size(self.spec.head_dim_v)
 
 
 class BlockRange(NamedTuple):

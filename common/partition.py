@@ -322,27 +322,17 @@ def _rows_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *ar
   ops = _unflatten(ops_struct, args[:count])
   r = jax.lax.axis_index(axis)
   if ops.dropout_seed is not None:  # global rows, as in a ring hop
-    index = lambda axes, size: jax.lax.axis_index(axes) * size if axes else 0
     ops = ops._replace(dropout_seed=dropout_lib.position_seed(
-        ops.dropout_seed, index(b_axes, local.batch), index(h_axes, local.heads_q),
-        r * local.seq_q, 0))
+        ops.dropout_seed, ring_lib.shard_offset(b_axes, local.batch),
+        ring_lib.shard_offset(h_axes, local.heads_q), r * local.seq_q, 0))
   bands = [spec.band.sub_block(d * local.seq_q, local.seq_q, 0, spec.seq_k)
            for d in range(n)]
-  distinct = [band for d, band in enumerate(bands) if band not in bands[:d]]
   # The kernel adds the sinks itself: every row's keys are on this device.
   spec_of = lambda band: dataclasses.replace(ring_lib.hop_spec(local, band),
                                             num_sinks=local.num_sinks)
   refs = jax.tree.leaves((ops, args[count:]))
   zeros = lambda shape, dtype, fill=0.0: vary_like(
       jnp.full(shape, fill, dtype), *refs)
-
-  def switch(run, empty, *operands):
-    branches = [functools.partial(run, band) if band is not None else empty
-                for band in distinct]
-    if len(branches) == 1:
-      return branches[0](*operands)
-    table = jnp.asarray([distinct.index(band) for band in bands], jnp.int32)
-    return jax.lax.switch(table[r], branches, *operands)
 
   if kind == "fwd":
     def empty(ops):
@@ -354,7 +344,8 @@ def _rows_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *ar
         out = out.astype(ops.q.dtype)
       return out, lse
 
-    return switch(lambda band, ops: fn(ops, spec_of(band), config), empty, ops)
+    return ring_lib.band_switch(
+        bands, r, lambda band, ops: fn(ops, spec_of(band), config), empty, ops)
 
   names = [n for n in _present(ops_struct) if n in GRAD_FIELDS]
 
@@ -369,7 +360,7 @@ def _rows_lower(kind, static, local: AttentionSpec, b_axes, h_axes, axis, n, *ar
                                            epilogue.delta(out, do, dlse))
     return tuple(grads[n] for n in names)
 
-  grads = switch(run, empty, ops, *args[count:])
+  grads = ring_lib.band_switch(bands, r, run, empty, ops, *args[count:])
   # Each device's K/V cotangents are its rows' part of the sum.
   return tuple(_psum(g, axis) if n in ("k", "v") else
                _summed(n, g, spec, b_axes, h_axes, axis)
@@ -409,10 +400,9 @@ def _kv_heads(ops_struct, args, f):
 
 def _with_shard_seed(ops_struct, args, b_axes, h_axes, local: AttentionSpec):
   """``args`` with the seed replaced by this shard's ``shard_seed``."""
-  index = lambda axes, size: jax.lax.axis_index(axes) * size if axes else 0
   n = _present(ops_struct).index("dropout_seed")
-  seed = dropout_lib.shard_seed(args[n], index(b_axes, local.batch),
-                                index(h_axes, local.heads_q))
+  seed = dropout_lib.shard_seed(args[n], ring_lib.shard_offset(b_axes, local.batch),
+                                ring_lib.shard_offset(h_axes, local.heads_q))
   return args[:n] + (seed,) + args[n + 1:]
 
 

@@ -138,21 +138,20 @@ class RingPlan:
       return device
     return device if chunk == 0 else 2 * self.num_shards - 1 - device
 
+  def offsets(self, device, hop, a: int, b: int, len_q: int, len_k: int):
+    """Global ``(q, k)`` offsets of ``device``'s q chunk ``a`` (``len_q`` rows)
+    and of kv chunk ``b`` (``len_k`` keys) of the shard it holds at ``hop``
+    (device ``device - hop``'s); ``device`` and ``hop`` are ints or traced."""
+    src = (device - hop) % self.num_shards
+    return self.chunk_index(device, a) * len_q, self.chunk_index(src, b) * len_k
+
   def pair_bands(self, hops, a: int, b: int, len_q: int, len_k: int):
-    """``(bands, table)``: the distinct bands (None = empty) of q chunk ``a``
-    against kv chunk ``b`` over ``hops``, and ``table[t, r]``, the index of the
-    band device ``r`` meets at hop ``hops[t]``."""
-    n = self.num_shards
-    bands, table = [], np.zeros((len(hops), n), np.int32)
-    for t, hop in enumerate(hops):
-      for r in range(n):
-        src = (r - hop) % n
-        band = self.band.sub_block(self.chunk_index(r, a) * len_q, len_q,
-                                   self.chunk_index(src, b) * len_k, len_k)
-        if band not in bands:
-          bands.append(band)
-        table[t, r] = bands.index(band)
-    return bands, table
+    """``bands[t][r]``: the band (None = empty) of device ``r``'s q chunk ``a``
+    against the kv chunk ``b`` it meets at hop ``hops[t]``."""
+    return [[self.band.sub_block(q, len_q, k, len_k)
+             for q, k in (self.offsets(r, hop, a, b, len_q, len_k)
+                          for r in range(self.num_shards))]
+            for hop in hops]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +191,37 @@ def hop_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
       bias_shape=block(spec.bias_shape), mask_shape=block(spec.mask_shape))
 
 
-def _offset(axes, size):
+def shard_offset(axes, size: int):
+  """This device's index along the mesh ``axes`` times ``size`` (0 where
+  ``axes`` is empty): the global index of the first batch element or head of
+  its shard, which the dropout hash takes."""
   return jax.lax.axis_index(axes) * size if axes else 0
+
+
+def band_switch(bands, index, run, empty, *args):
+  """``run(band, *args)`` with the static band ``bands[index]``, or
+  ``empty(*args)`` where that band is None (the block reaches no key).
+
+  ``bands`` is a nested list of bands (over devices, or over hops and devices)
+  and ``index`` (traced: it holds the device's position) picks one entry, an int
+  or a tuple of one per level. The distinct bands, in the order they first
+  appear, are the branches of a ``lax.switch``; one branch is called directly.
+  """
+  distinct = []
+
+  def positions(x):
+    if isinstance(x, list):
+      return [positions(y) for y in x]
+    if x not in distinct:
+      distinct.append(x)
+    return distinct.index(x)
+
+  table = np.asarray(positions(bands), np.int32)
+  branches = [functools.partial(run, band) if band is not None else empty
+              for band in distinct]
+  if len(branches) == 1:
+    return branches[0](*args)
+  return jax.lax.switch(jnp.asarray(table)[index], branches, *args)
 
 
 class _Ring:
@@ -242,11 +270,10 @@ class _Ring:
     if ops.dropout_seed is None:
       return None
     spec, plan = self.spec, self.plan
-    src = (self.r - hop) % self.n
     return dropout_lib.position_seed(
-        ops.dropout_seed, _offset(plan.batch_axes, spec.batch),
-        _offset(plan.head_axes, spec.heads_q),
-        plan.chunk_index(self.r, a) * self.cq, plan.chunk_index(src, b) * self.ck)
+        ops.dropout_seed, shard_offset(plan.batch_axes, spec.batch),
+        shard_offset(plan.head_axes, spec.heads_q),
+        *plan.offsets(self.r, hop, a, b, self.cq, self.ck))
 
   def groups(self):
     """Hop groups: a scanned run whose hops rotate K/V onwards, then the last hop."""
@@ -255,13 +282,8 @@ class _Ring:
   def switch(self, hops, t, a, b, run, empty, *args):
     """``run(band, *args)`` with the band device ``r`` meets for pair (a, b) at hop
     ``hops[t]``; ``empty(*args)`` where it reaches nothing."""
-    bands, table = self.plan.pair_bands(hops, a, b, self.cq, self.ck)
-    branches = [functools.partial(run, band) if band is not None else empty
-                for band in bands]
-    if len(branches) == 1:
-      return branches[0](*args)
-    index = jnp.asarray(table)[t, self.r]
-    return jax.lax.switch(index, branches, *args)
+    return band_switch(self.plan.pair_bands(hops, a, b, self.cq, self.ck),
+                       (t, self.r), run, empty, *args)
 
 
 def _merge(acc, part):

@@ -11,7 +11,7 @@ from ..common import dropout as dropout_lib
 from ..common import blocking, env, hardware, platform, segments
 from ..common.hardware import GpuTarget
 from ..common.launch import (KernelConfig, KernelsConfig, fit_to_lengths,
-                             fit_to_shared_memory, streamed_budget, tile_size)
+                             fit_to_shared_memory, streamed_budget)
 from ..common.spec import AttentionSpec
 
 
@@ -39,9 +39,9 @@ def default_config(spec: AttentionSpec,
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-  """Padded sizes shared by the three kernels (sequences padded to the largest
-  tile, head dims to powers of two)."""
+class Geometry(blocking.PaddedLengths):
+  """Padded sizes shared by the three kernels (``blocking.PaddedLengths``:
+  sequences padded to the largest tile, head dims to powers of two)."""
 
   spec: AttentionSpec
   pad_q: int
@@ -49,24 +49,7 @@ class Geometry:
 
   @classmethod
   def of(cls, spec, config: KernelsConfig):
-    launches = (config.fwd, config.dq, config.dkv)
-    return cls(spec, max(c.block_q for c in launches), max(c.block_kv for c in launches))
-
-  @property
-  def seq_q_padded(self):
-    return -(-self.spec.seq_q // self.pad_q) * self.pad_q
-
-  @property
-  def seq_k_padded(self):
-    return -(-self.spec.seq_k // self.pad_k) * self.pad_k
-
-  @property
-  def head_dim_padded(self):
-    return tile_size(self.spec.head_dim)
-
-  @property
-  def head_dim_v_padded(self):
-    return tile_size(self.spec.head_dim_v)
+    return cls(spec, *blocking.shared_padding((config.fwd, config.dq, config.dkv)))
 
   def kv_table(self, bq: int, bk: int) -> np.ndarray:
     """``[nq, 4]`` int32: per q block, kv blocks ``lo <= a <= b <= hi``: [lo, hi)

@@ -1,7 +1,10 @@
 """The shared index math (common/blocking.py, mask.tile_allowed) against the dense
 band of common/mask.py, on drawn bands, lengths and block sizes: the block
 ranges every platform walks (host tables and traced values alike) and the tile
-predicate they mask with."""
+predicate they mask with; the padded sizes of the Triton-based kernels on
+hand-computed shapes."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from flashjax.common import blocking
+from flashjax.common import spec as spec_lib
+from flashjax.common.launch import KernelConfig
 from flashjax.common.mask import Band, band_allowed, tile_allowed
 
 _bound = st.one_of(st.none(), st.integers(0, 3), st.integers(0, 70))
@@ -116,3 +121,31 @@ def test_block_ranges_and_tile_predicate_match_the_dense_band(problem, seed):
     rows, cols = blocking.positions(i, j, bq, bk)
     assert not np.asarray(tile_allowed(band, rows, cols, padded_keys=True))[
         :max(0, sq - i * bq)].any()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded(blocking.PaddedLengths):
+  spec: object
+  pad_q: int
+  pad_k: int
+
+
+def test_padded_lengths_on_hand_computed_shapes():
+  # (seq_q, seq_k, head_dim, head_dim_v, pad_q, pad_k) -> padded (Sq, Sk, D, Dv)
+  cases = {(100, 33, 40, 8, 64, 32): (128, 64, 64, 16),
+           (128, 128, 128, 96, 128, 64): (128, 128, 128, 128),
+           (1, 300, 256, 17, 16, 128): (16, 384, 256, 32),
+           (65, 7, 16, 512, 32, 16): (96, 16, 16, 512)}
+  for (sq, sk, d, dv, pq, pk), want in cases.items():
+    s = spec_lib.abstract_spec(batch=1, seq_q=sq, seq_k=sk, heads_q=1, head_dim=d,
+                               head_dim_v=dv)
+    p = _Padded(s, pq, pk)
+    got = (p.seq_q_padded, p.seq_k_padded, p.head_dim_padded, p.head_dim_v_padded)
+    assert got == want, (sq, sk, d, dv, pq, pk, got)
+  assert [blocking.round_up(n, 16) for n in (1, 15, 16, 17, 33)] == [16, 16, 16, 32, 48]
+
+
+def test_shared_padding_is_the_largest_tile_of_the_kernels():
+  cfg = lambda q, k: KernelConfig(block_q=q, block_kv=k)
+  assert blocking.shared_padding([cfg(128, 64), cfg(64, 128), cfg(32, 32)]) == (128, 128)
+  assert blocking.shared_padding([cfg(16, 64), cfg(64, 32)]) == (64, 64)

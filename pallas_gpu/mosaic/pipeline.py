@@ -1,4 +1,4 @@
-"""The memory warpgroup of the Mosaic-GPU kernels: a ring of ``stages``
+"""The memory warpgroup of the Mosaic-GPU kernels: a ring of ``num_stages``
 shared-memory slots filled by TMA. Each operand of a slot has its own release
 barrier and is refilled as soon as its consumers are done with it, not when the
 whole slot is free, so an operand released early in a step (the forward's K,
@@ -16,7 +16,7 @@ from jax import lax
 from ...common import compat
 
 
-def produce(lo_c, hi_c, stages: int, loads):
+def produce(lo_c, hi_c, num_stages: int, loads):
   """The memory warpgroup of a one-tile CTA: fills the ring for steps
   ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))`` pairs in the order the
   consumers release them (see :func:`ring_fill`)."""
@@ -24,19 +24,19 @@ def produce(lo_c, hi_c, stages: int, loads):
 
   @pl.loop(lo_c, hi_c)
   def _step(s):
-    ring_fill(s - lo_c, stages, [(free, lambda slot, load=load: load(s, slot))
-                                 for free, load in loads])
+    ring_fill(s - lo_c, num_stages, [(free, lambda slot, load=load: load(s, slot))
+                                     for free, load in loads])
 
 
-def ring_fill(step, stages: int, loads):
-  """Fills the ring slot of global pipeline step ``step`` (``step % stages``): each
-  ``(free, load)`` pair waits, from the ring's second round on, until every
+def ring_fill(step, num_stages: int, loads):
+  """Fills the ring slot of global pipeline step ``step`` (``step % num_stages``):
+  each ``(free, load)`` pair waits, from the ring's second round on, until every
   consumer released the slot's previous contents on ``free``, then issues
   ``load(slot)``. A persistent kernel keeps counting steps across its tiles, so
   slots and barrier phases stay in step."""
-  slot = lax.rem(step, jnp.int32(stages))
+  slot = lax.rem(step, jnp.int32(num_stages))
   for free, load in loads:
-    pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+    pl.when(step >= num_stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
     load(slot)
 
 

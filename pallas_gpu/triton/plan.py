@@ -14,7 +14,7 @@ from ...common import dropout as dropout_lib
 from ...common import segments
 from ...common import blocking
 from ...common.blocking import LOG2E, pad_axis, pad_broadcastable
-from ...common.launch import KernelConfig, KernelsConfig, tile_size  # noqa: F401
+from ...common.launch import KernelConfig, KernelsConfig  # noqa: F401
 from ...common.mask import tile_allowed
 from ...common.spec import AttentionSpec, Operands
 
@@ -62,9 +62,10 @@ class TritonConfig(KernelsConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(blocking.PaddedLengths):
   """One kernel's tiles over sequences padded to multiples of ``pad_q``/``pad_k``
-  (the largest tile of forward and backward, so all kernels share one padding)."""
+  (the largest tile of forward and backward, so all kernels share one padding);
+  ``blocking.PaddedLengths`` gives the padded sizes."""
 
   spec: AttentionSpec
   block_q: int
@@ -77,28 +78,12 @@ class Plan:
   fast_exp2: bool = False
 
   @property
-  def seq_q_padded(self):
-    return -(-self.spec.seq_q // self.pad_q) * self.pad_q
-
-  @property
-  def seq_k_padded(self):
-    return -(-self.spec.seq_k // self.pad_k) * self.pad_k
-
-  @property
   def num_q_blocks(self):
     return self.seq_q_padded // self.block_q
 
   @property
   def num_kv_blocks(self):
     return self.seq_k_padded // self.block_kv
-
-  @property
-  def head_dim_padded(self):
-    return tile_size(self.spec.head_dim)
-
-  @property
-  def head_dim_v_padded(self):
-    return tile_size(self.spec.head_dim_v)
 
   @property
   def precision(self):
@@ -124,8 +109,7 @@ class Plan:
 def make_plans(spec: AttentionSpec, config: TritonConfig,
                fast_exp2: bool = False) -> dict[str, Plan]:
   kernels = {"fwd": config.fwd, "dq": config.dq, "dkv": config.dkv}
-  pad_q = max(c.block_q for c in kernels.values())
-  pad_k = max(c.block_kv for c in kernels.values())
+  pad_q, pad_k = blocking.shared_padding(kernels.values())
   return {name: Plan(spec, c.block_q, c.block_kv, pad_q, pad_k, config.fp32_precision,
                      fast_exp2)
           for name, c in kernels.items()}

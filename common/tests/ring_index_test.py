@@ -1,0 +1,83 @@
+"""The index helpers that ring attention (common/ring.py) and the partitioned
+calls (common/partition.py) share, on one device: each hop's global q/k offsets
+on 4 shards in both layouts, the bands they give, the switch that picks a
+device's band, and the shard offsets the dropout hash takes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashjax.common import ring
+from flashjax.common.mask import Band
+
+
+def _plan(layout, band=Band(seq_q=32, seq_k=32)):
+  return ring.RingPlan(axis_name="seq", num_shards=4, layout=layout, band=band)
+
+
+def test_offsets_per_hop_on_four_shards():
+  # Contiguous, 8 rows per device: device r holds rows [8r, 8r + 8) and at hop h
+  # the keys of device (r - h) mod 4.
+  contiguous = _plan("contiguous")
+  want = {0: [(0, 0), (8, 8), (16, 16), (24, 24)],
+          1: [(0, 24), (8, 0), (16, 8), (24, 16)],
+          2: [(0, 16), (8, 24), (16, 0), (24, 8)],
+          3: [(0, 8), (8, 16), (16, 24), (24, 0)]}
+  for hop, offsets in want.items():
+    got = [contiguous.offsets(r, hop, 0, 0, 8, 8) for r in range(4)]
+    assert got == offsets, (hop, got)
+  # Zigzag, chunks of 4 rows: device r holds chunks r and 7 - r.
+  zigzag = _plan("zigzag")
+  want = {(0, 0, 0): [(0, 0), (4, 4), (8, 8), (12, 12)],
+          (1, 1, 1): [(28, 16), (24, 28), (20, 24), (16, 20)],
+          (2, 0, 1): [(0, 20), (4, 16), (8, 28), (12, 24)],
+          (3, 1, 0): [(28, 4), (24, 8), (20, 12), (16, 0)]}
+  for (hop, a, b), offsets in want.items():
+    got = [zigzag.offsets(r, hop, a, b, 4, 4) for r in range(4)]
+    assert got == offsets, (hop, a, b, got)
+  # Traced device and hop give the same numbers.
+  traced = jax.jit(lambda r, h: jnp.stack(zigzag.offsets(r, h, 1, 0, 4, 4)))
+  assert traced(1, 3).tolist() == [24, 8]
+
+
+def test_pair_bands_of_a_causal_contiguous_ring():
+  plan = _plan("contiguous", Band(seq_q=32, seq_k=32, right=0))
+  diag, full = Band(seq_q=8, seq_k=8, right=0), Band(seq_q=8, seq_k=8)
+  assert plan.pair_bands(range(4), 0, 0, 8, 8) == [
+      [diag] * 4,
+      [None, full, full, full],
+      [None, None, full, full],
+      [None, None, None, full]]
+
+
+def test_band_switch_runs_each_entrys_band():
+  diag, full = Band(seq_q=8, seq_k=8, right=0), Band(seq_q=8, seq_k=8)
+  bands = _plan("contiguous", Band(seq_q=32, seq_k=32, right=0)).pair_bands(
+      range(4), 0, 0, 8, 8)
+  run = lambda band, x: x + (10.0 if band.right is None else 20.0)
+  empty = lambda x: x - 1.0
+  value = {diag: 21.5, full: 11.5, None: 0.5}
+  call = lambda t, r: ring.band_switch(bands, (t, r), run, empty, jnp.float32(1.5))
+  f = jax.jit(call)
+  for t in range(4):
+    assert [float(f(t, r)) for r in range(4)] == [value[b] for b in bands[t]], t
+  # One branch per distinct band (diag, None, full), in the order they appear.
+  switch = [e for e in jax.make_jaxpr(call)(0, 0).eqns if e.primitive.name == "cond"]
+  assert len(switch) == 1 and len(switch[0].params["branches"]) == 3
+  # A flat list indexed by the device, as partition.py's rows; one band: no switch.
+  rows = [None, diag, full, full]
+  g = jax.jit(lambda r: ring.band_switch(rows, r, run, empty, jnp.float32(1.5)))
+  assert [float(g(r)) for r in range(4)] == [0.5, 21.5, 11.5, 11.5]
+  one = jax.make_jaxpr(lambda r: ring.band_switch([full] * 4, r, run, empty,
+                                                  jnp.float32(1.5)))(0)
+  assert "cond" not in {e.primitive.name for e in one.eqns}
+
+
+def test_shard_offset_is_the_first_index_of_the_shard():
+  offsets = jax.vmap(lambda x: x + ring.shard_offset("b", 3), axis_name="b")(
+      jnp.zeros(4, jnp.int32))
+  np.testing.assert_array_equal(offsets, [0, 3, 6, 9])
+  nested = jax.vmap(jax.vmap(lambda x: x + ring.shard_offset(("a", "b"), 5),
+                             axis_name="b"), axis_name="a")(jnp.zeros((2, 3), jnp.int32))
+  np.testing.assert_array_equal(nested, [[0, 5, 10], [15, 20, 25]])
+  assert ring.shard_offset((), 7) == 0
