@@ -142,7 +142,7 @@ def test_default_tiles_fit_shared_memory():
 def test_kvcache_default_tiles_are_the_tiles_that_run():
   """Pages under 64 positions bound the key tile; the default says so, so that
   fitting it to shared memory keeps the deep pipeline its short tiles were
-  measured with (sized for 128-key tiles, 6 stages were cut to 3)."""
+  measured with (sized for 128-key tiles, 6 stages of 16 keys were cut to 3)."""
   from flashjax.common import kvcache as kv
   from flashjax.pallas_gpu.triton import kvcache as tk
   budget = 232448 - 4096
@@ -150,9 +150,13 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
       batch=64, seq_q=1, heads_q=32, heads_kv=8, head_dim=128, head_dim_v=128,
       dtype="bfloat16", softmax_scale=0.1, cache_rows=64 * 512, capacity=8192,
       page_size=16, num_splits=0), **kw})
-  for spec, want in ((mk(), (16, 6, 2)), (mk(page_size=32), (32, 6, 2)),
-                     (mk(seq_q=16), (16, 8, 4)), (mk(page_size=64), (64, 3, 4)),
-                     (mk(page_size=None, cache_rows=64), (128, 3, 4))):
+  for spec, want in ((mk(), (16, 8, 2)), (mk(page_size=32), (32, 8, 2)),
+                     (mk(seq_q=16), (16, 10, 4)), (mk(page_size=64), (64, 6, 2)),
+                     (mk(page_size=64, seq_q=16), (64, 6, 4)),
+                     (mk(page_size=256, seq_q=16), (64, 6, 4)),
+                     (mk(page_size=256), (128, 3, 4)),
+                     (mk(page_size=None, cache_rows=64), (128, 3, 4)),
+                     (mk(page_size=None, cache_rows=64, seq_q=16), (64, 2, 4))):
     cfg = triton_decode.fit(tk.default_config(spec), spec, tk._rows(spec), budget)
     assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)
     assert tk._block_kv(spec, cfg) == cfg.block_kv

@@ -57,29 +57,33 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
-  """decode.py's tiles, and the call's ``num_splits`` (0 = automatic, 1 =
-  none, FlashAttention's meaning). Pages under 64 positions make 16- or 32-key
-  tiles, which need deeper pipelines: on an H200 (2026-11-24, bf16, GQA 32:8, D =
-  128, pages of 16) 6 stages over 2 warps read 3968 / 3141 / 2800 GB/s at B64
-  Sk8k / B8 Sk64k / B1 Sk128k against 2637 / 1681 / 1578 with the 3-stage 4-warp
-  tiles, and 8 stages over 4 warps 2253 against 1600 at Sq = 16
-  (docs/reports/2026-11-24-h200-kvcache.txt).
+  """decode.py's tiles where the cache is contiguous, deeper pipelines where it
+  is paged, and the call's ``num_splits`` (0 = automatic, 1 = none,
+  FlashAttention's meaning). A page bounds the key tile, and short tiles need
+  more of them in flight. H200 sweeps on the benchmark's own caches (2026-11-24,
+  bf16, GQA 32:8, D = 128; docs/reports/2026-11-24-h200-kvcache-tiles.txt), GB/s
+  at B64 Sk8k / B8 Sk64k / B1 Sk128k (Sq = 1) and B32 Sk4k (Sq = 16):
 
-  ``block_kv`` is the tile that runs (at most the page), so that :func:`td.fit`
-  sizes the pipeline's stages for it: sized for the nominal 128-key tile, 6
-  stages of 16-key tiles were cut to 3 and page 16 read 3028 GB/s at B64 Sk8k
-  instead of 3968 (H200, 2026-11-24)."""
-  rows, ns = _rows(spec), spec.num_splits
+  - pages of 16: 8 stages over 2 warps 4163 / 3324 / 3093 (3 stages: 2660 /
+    1744 / 1665); at Sq = 16, 10 stages over 4 warps 2459 (8: 2223);
+  - pages of 64: 6 stages 4240 / 4180 / 3693 over 2 warps (3 stages over 4:
+    3234 / 3739 / 3342), 3535 over 4 warps at Sq = 16 (3132);
+  - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112).
+
+  ``block_kv`` is the tile that runs (at most the page), so :func:`td.fit` sizes
+  the stages for it."""
+  wide = _rows(spec) > 16
   if spec.paged and spec.page_size < 64:
-    if rows > 16:
-      cfg = td.DecodeConfig(block_kv=64, num_stages=8, num_warps=4, num_splits=ns)
-    else:
-      cfg = td.DecodeConfig(block_kv=128, num_stages=6, num_warps=2, num_splits=ns)
-  elif rows > 16:
-    cfg = td.DecodeConfig(block_kv=64, num_stages=2, num_splits=ns)
+    cfg = td.DecodeConfig(block_kv=spec.page_size, num_stages=10 if wide else 8,
+                          num_warps=4 if wide else 2)
+  elif spec.paged and spec.page_size == 64:
+    cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
+  elif wide:
+    cfg = td.DecodeConfig(block_kv=64, num_stages=6 if spec.paged else 2)
   else:
-    cfg = td.DecodeConfig(block_kv=128, num_stages=3, num_splits=ns)
-  return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg))
+    cfg = td.DecodeConfig(block_kv=128, num_stages=3)
+  return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg),
+                             num_splits=spec.num_splits)
 
 
 def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
