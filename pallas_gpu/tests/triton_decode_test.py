@@ -156,7 +156,7 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
                      (mk(page_size=256, seq_q=16), (64, 6, 4)),
                      (mk(page_size=256), (128, 3, 4)),
                      (mk(page_size=None, cache_rows=64), (128, 3, 4)),
-                     (mk(page_size=None, cache_rows=64, seq_q=16), (64, 2, 4))):
+                     (mk(page_size=None, cache_rows=64, seq_q=16), (64, 3, 4))):
     cfg = triton_decode.fit(tk.default_config(spec), spec, tk._rows(spec), budget)
     assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)
     assert tk._block_kv(spec, cfg) == cfg.block_kv

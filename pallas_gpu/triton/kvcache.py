@@ -68,7 +68,9 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
     1744 / 1665); at Sq = 16, 10 stages over 4 warps 2459 (8: 2223);
   - pages of 64: 6 stages 4240 / 4180 / 3693 over 2 warps (3 stages over 4:
     3234 / 3739 / 3342), 3535 over 4 warps at Sq = 16 (3132);
-  - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112).
+  - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112);
+  - contiguous at Sq = 16: 64-key tiles in 3 stages 3471 (2 stages: 3153, 6
+    stages: 3095; docs/reports/2026-11-24-h200-segment-ids-overhead.txt).
 
   ``block_kv`` is the tile that runs (at most the page), so :func:`td.fit` sizes
   the stages for it."""
@@ -79,7 +81,7 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
   elif spec.paged and spec.page_size == 64:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
   elif wide:
-    cfg = td.DecodeConfig(block_kv=64, num_stages=6 if spec.paged else 2)
+    cfg = td.DecodeConfig(block_kv=64, num_stages=6 if spec.paged else 3)
   else:
     cfg = td.DecodeConfig(block_kv=128, num_stages=3)
   return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg),
