@@ -215,22 +215,33 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, first=first, per=per,
                              last=last, rows=rows, precision=precision)
+  in_specs = [pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
+              pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
+              pl.BlockSpec((None, spec.seq_k, None, dv), lambda s, i, h: (i, 0, h, 0))]
+  return launch(kernel, in_specs, (packed, k, v), batch=b, spec=spec, cfg=cfg,
+                splits=splits, rows=rows, interpret=interpret,
+                name="flashjax_pallas_triton_decode")
+
+
+def launch(kernel, in_specs, args, *, batch, spec, cfg: DecodeConfig, splits: int,
+           rows: int, interpret: bool, name: str):
+  """The split-KV launch of the decode kernels (here and kvcache.py): one program
+  per (split, batch row, kv head) writing that split's fp32 ``out [splits, B,
+  Hkv, rows, Dv]`` and ``lse [splits, B, Hkv, rows]`` for :func:`combine`."""
+  hkv, dv = spec.heads_kv, spec.head_dim_v
   return pl.pallas_call(
       kernel,
-      grid=(splits, b, hkv),
-      in_specs=[pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
-                pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
-                pl.BlockSpec((None, spec.seq_k, None, dv),
-                             lambda s, i, h: (i, 0, h, 0))],
+      grid=(splits, batch, hkv),
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, None, rows, dv),
                               lambda s, i, h: (s, i, h, 0, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((splits, batch, hkv, rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, batch, hkv, rows), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
-      interpret=interpret, name="flashjax_pallas_triton_decode",
-  )(packed, k, v)
+      interpret=interpret, name=name,
+  )(*args)
 
 
 def combine(out_parts, lse_parts, spec):

@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ...common import epilogue
 from ...common import kvcache as kv
@@ -147,7 +146,7 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
   if not isinstance(cfg, td.DecodeConfig):
     raise ValueError("config must be a pallas_gpu.triton.decode.DecodeConfig, got "
                      f"{type(cfg).__name__}")
-  b, hkv, d, dv = spec.batch, spec.heads_kv, spec.head_dim, spec.head_dim_v
+  b, d, dv = spec.batch, spec.head_dim, spec.head_dim_v
   rows, bk = _rows(spec), _block_kv(spec, cfg)
   splits = num_splits(spec, cfg, sms)
   lo, hi = kv.key_range(prep.total, prep.leftpad, spec)
@@ -165,22 +164,14 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, rows=rows, splits=splits,
                              precision=precision)
-  o, lse = pl.pallas_call(
-      kernel,
-      grid=(splits, b, hkv),
-      in_specs=[pl.BlockSpec((None, 4), lambda s, i, h: (i, 0)), rows_spec,
-                pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
-                pl.BlockSpec(cache_block + (None, d), lambda s, i, h: (0, 0, h, 0)),
-                pl.BlockSpec(cache_block + (None, dv), lambda s, i, h: (0, 0, h, 0))],
-      out_specs=[pl.BlockSpec((None, None, None, rows, dv),
-                              lambda s, i, h: (s, i, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                           num_stages=cfg.num_stages),
-      interpret=interpret, name="flashjax_pallas_triton_kvcache",
-  )(bounds, table, q, prep.k_cache, prep.v_cache)
+  in_specs = [pl.BlockSpec((None, 4), lambda s, i, h: (i, 0)), rows_spec,
+              pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
+              pl.BlockSpec(cache_block + (None, d), lambda s, i, h: (0, 0, h, 0)),
+              pl.BlockSpec(cache_block + (None, dv), lambda s, i, h: (0, 0, h, 0))]
+  o, lse = td.launch(kernel, in_specs,
+                     (bounds, table, q, prep.k_cache, prep.v_cache), batch=b,
+                     spec=spec, cfg=cfg, splits=splits, rows=rows,
+                     interpret=interpret, name="flashjax_pallas_triton_kvcache")
   out, lse = td.combine(o, lse, spec)
   if spec.num_sinks:
     out, lse = epilogue.add_sinks(out, lse, sinks)
