@@ -39,8 +39,11 @@ class MosaicForward:
     block_kv: keys per pipeline step.
     num_stages: K/V shared-memory slots in flight.
     persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
-      (False), or None: persistent unless the band is causal or a window (uneven
-      tiles balance better on the hardware scheduler).
+      (False), or None: persistent unless the band is causal or a window or the
+      call has segment ids (uneven tiles balance better on the hardware
+      scheduler). Rows packed with documents of one length run faster
+      persistent (full band, H200: 8 x 2048 458 against 483 us, 32 x 512 155
+      against 178), rows of mixed lengths slower (1646 against 1239).
     split_tail: the persistent forward runs its last, partial round of q tiles
       as key ranges merged by a small second kernel (pallas_gpu/tail_merge.py); applies to
       the full band only, where the plan finds a split that pays. The default
