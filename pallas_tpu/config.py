@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..common import hardware, platform
+from ..common.blocking import round_up
 
 NUM_LANES = 128
 
@@ -61,7 +62,6 @@ def default_config(spec) -> TpuConfig:
   """Per TPU generation (untested on hardware); 128 x 128 where none is found
   (interpret mode on CPU), clipped to the padded problem size."""
   base = _GENERATION_DEFAULTS.get(hardware.tpu_generation(), TpuConfig())
-  round_up = lambda n, m: -(-n // m) * m
   clip = lambda b: BlockSizes(block_q=min(b.block_q, round_up(spec.seq_q, 16)),
                               block_kv=min(b.block_kv, round_up(spec.seq_k, NUM_LANES)))
   return TpuConfig(fwd=clip(base.fwd), bwd=clip(base.bwd))

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ...common import configs, epilogue, hardware, platform, segments, vjp
+from ...common import blocking, configs, epilogue, hardware, platform, segments, vjp
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
@@ -72,8 +72,8 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
     persistent = spec.band.is_full and not spec.has_segment_ids
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
-      seq_q_padded=-(-spec.seq_q // tile) * tile,
-      seq_k_padded=-(-spec.seq_k // fwd.block_kv) * fwd.block_kv,
+      seq_q_padded=blocking.round_up(spec.seq_q, tile),
+      seq_k_padded=blocking.round_up(spec.seq_k, fwd.block_kv),
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap,
       block_q=fwd.block_q, block_kv=fwd.block_kv, num_stages=fwd.num_stages,
@@ -92,8 +92,8 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
   k_tile = lcm(dq.block_kv, 2 * dkv.block_kv)
   common = dict(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
-      seq_q_padded=-(-spec.seq_q // q_tile) * q_tile,
-      seq_k_padded=-(-spec.seq_k // k_tile) * k_tile,
+      seq_q_padded=blocking.round_up(spec.seq_q, q_tile),
+      seq_k_padded=blocking.round_up(spec.seq_k, k_tile),
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
       segments=spec.has_segment_ids)

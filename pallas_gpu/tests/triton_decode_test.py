@@ -124,19 +124,19 @@ def test_default_tiles_fit_shared_memory():
       batch=8, seq_q=1, seq_k=65536, heads_q=32, heads_kv=8, head_dim=128), **kw})
   budget = 232448 - 4096
   bf16 = mk()
-  rows = triton_decode._rows(bf16)
+  rows = triton_decode.packed_rows(bf16)
   assert triton_decode.fit(triton_decode.default_config(bf16), bf16, rows,
                            budget) == triton_decode.default_config(bf16)
   for s in (mk(head_dim=256), mk(dtype="float32"), mk(dtype="float32", head_dim=256),
             mk(seq_q=16, head_dim=256)):
-    rows = triton_decode._rows(s)
+    rows = triton_decode.packed_rows(s)
     cfg = triton_decode.fit(triton_decode.default_config(s), s, rows, budget)
     assert triton_decode.shared_bytes(cfg, s, rows) <= budget, (s, cfg)
     assert cfg.block_kv >= 16 and cfg.num_stages >= 2
   # The overflow Triton reported (278528 bytes) is what the estimate gives.
   s = mk(seq_q=16)
   assert triton_decode.shared_bytes(triton_decode.DecodeConfig(
-      block_kv=128, num_stages=4), s, triton_decode._rows(s)) == 278528
+      block_kv=128, num_stages=4), s, triton_decode.packed_rows(s)) == 278528
 
 
 def test_kvcache_default_tiles_are_the_tiles_that_run():
@@ -157,6 +157,6 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
                      (mk(page_size=256), (128, 3, 4)),
                      (mk(page_size=None, cache_rows=64), (128, 3, 4)),
                      (mk(page_size=None, cache_rows=64, seq_q=16), (64, 3, 4))):
-    cfg = triton_decode.fit(tk.default_config(spec), spec, tk._rows(spec), budget)
+    cfg = triton_decode.fit(tk.default_config(spec), spec, triton_decode.packed_rows(spec), budget)
     assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)
     assert tk._block_kv(spec, cfg) == cfg.block_kv

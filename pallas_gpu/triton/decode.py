@@ -67,7 +67,9 @@ def applies(spec: spec_lib.AttentionSpec) -> bool:
           and not spec.has_segment_ids and spec.dropout_rate == 0)
 
 
-def _rows(spec) -> int:
+def packed_rows(spec) -> int:
+  """Rows of the packed q tile: the call's queries times the q heads of a kv head,
+  a power of two of at least ``MIN_ROWS``."""
   return max(MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
 
 
@@ -92,7 +94,7 @@ def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
   second sweep (B32 Sq8 Sk4k 3735 against 3149 GB/s, B64 Sq16 Sk8k 4035 against
   3657; 8 warps lost everywhere); 128-key 3-stage tiles within 2% of the best at
   16 rows."""
-  if _rows(spec) > 16:
+  if packed_rows(spec) > 16:
     return DecodeConfig(block_kv=64, num_stages=3)
   return DecodeConfig(block_kv=128, num_stages=3)
 
@@ -131,6 +133,13 @@ def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
   at 132)."""
   first, last = key_blocks(spec, _block_kv(spec, cfg))
   blocks = max(last - first, 1)
+  return splits_for(cfg, spec, blocks, sms)
+
+
+def splits_for(cfg: DecodeConfig, spec, blocks: int, sms: int) -> int:
+  """Key splits over ``blocks`` key tiles: ``cfg.num_splits`` (at most one per
+  tile), or (0) about two programs per SM over the (batch, kv head) programs,
+  each split keeping at least two tiles, at most 256."""
   if cfg.num_splits:
     return max(1, min(cfg.num_splits, blocks))
   programs = spec.batch * spec.heads_kv
@@ -205,7 +214,7 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   (fp32, natural log, -inf where a split saw no key) of the packed q rows."""
   b, sq, hq, d = q.shape
   hkv, g, dv = spec.heads_kv, spec.group_size, spec.head_dim_v
-  rows = _rows(spec)
+  rows = packed_rows(spec)
   bk = _block_kv(spec, cfg)
   first, last = key_blocks(spec, bk)
   per = -(-(last - first) // splits) if last > first else 0
@@ -260,7 +269,7 @@ def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec,
             cfg: DecodeConfig | None, sms: int, interpret: bool):
   """``(out, lse)`` of a decode-shaped call (:func:`applies`), sinks included;
   ``cfg`` None takes :func:`default_config`."""
-  cfg = cfg or fit(default_config(spec), spec, _rows(spec))
+  cfg = cfg or fit(default_config(spec), spec, packed_rows(spec))
   splits = num_splits(spec, cfg, sms)
   o, lse = partials(ops.q, ops.k, ops.v, spec, cfg, splits, interpret)
   out, lse = combine(o, lse, spec)

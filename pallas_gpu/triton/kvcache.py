@@ -26,10 +26,6 @@ from . import decode as td
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _rows(spec) -> int:
-  return max(td.MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
-
-
 def _block_kv(spec: kv.KvCacheSpec, cfg: td.DecodeConfig) -> int:
   if spec.paged:
     return min(cfg.block_kv, spec.page_size)
@@ -63,8 +59,8 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
   bf16, GQA 32:8, D = 128; docs/reports/2026-11-24-h200-kvcache-tiles.txt), GB/s
   at B64 Sk8k / B8 Sk64k / B1 Sk128k (Sq = 1) and B32 Sk4k (Sq = 16):
 
-  - pages of 16: 8 stages over 2 warps 4163 / 3324 / 3093 (3 stages: 2660 /
-    1744 / 1665); at Sq = 16, 10 stages over 4 warps 2459 (8: 2223);
+  - pages of 16: 8 stages over 2 warps 4163 / 3324 / 3093 (4 stages over 4
+    warps: 2660 / 1744 / 1665); at Sq = 16, 10 stages over 4 warps 2459 (8: 2223);
   - pages of 64: 6 stages 4240 / 4180 / 3693 over 2 warps (3 stages over 4:
     3234 / 3739 / 3342), 3535 over 4 warps at Sq = 16 (3132);
   - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112);
@@ -73,16 +69,16 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
 
   ``block_kv`` is the tile that runs (at most the page), so :func:`td.fit` sizes
   the stages for it."""
-  wide = _rows(spec) > 16
+  wide = td.packed_rows(spec) > 16
   if spec.paged and spec.page_size < 64:
     cfg = td.DecodeConfig(block_kv=spec.page_size, num_stages=10 if wide else 8,
                           num_warps=4 if wide else 2)
   elif spec.paged and spec.page_size == 64:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
-  elif wide:
-    cfg = td.DecodeConfig(block_kv=64, num_stages=6 if spec.paged else 3)
+  elif wide and spec.paged:
+    cfg = td.DecodeConfig(block_kv=64, num_stages=6)
   else:
-    cfg = td.DecodeConfig(block_kv=128, num_stages=3)
+    cfg = td.default_config(spec)
   return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg),
                              num_splits=spec.num_splits)
 
@@ -90,11 +86,7 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
 def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
   """``cfg.num_splits``, or (0) about two programs per SM, at most one split per
   two tiles of the capacity."""
-  blocks = -(-spec.capacity // _block_kv(spec, cfg))
-  if cfg.num_splits:
-    return max(1, min(cfg.num_splits, blocks))
-  programs = spec.batch * spec.heads_kv
-  return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
+  return td.splits_for(cfg, spec, -(-spec.capacity // _block_kv(spec, cfg)), sms)
 
 
 def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk,
@@ -142,12 +134,12 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
               config: td.DecodeConfig | None, sms: int, interpret: bool = False):
   """``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq])`` over the prepared
   (rotated, appended) cache."""
-  cfg = config or td.fit(default_config(spec), spec, _rows(spec))
+  cfg = config or td.fit(default_config(spec), spec, td.packed_rows(spec))
   if not isinstance(cfg, td.DecodeConfig):
     raise ValueError("config must be a pallas_gpu.triton.decode.DecodeConfig, got "
                      f"{type(cfg).__name__}")
   b, d, dv = spec.batch, spec.head_dim, spec.head_dim_v
-  rows, bk = _rows(spec), _block_kv(spec, cfg)
+  rows, bk = td.packed_rows(spec), _block_kv(spec, cfg)
   splits = num_splits(spec, cfg, sms)
   lo, hi = kv.key_range(prep.total, prep.leftpad, spec)
   bounds = jnp.stack([lo, hi, prep.total, prep.leftpad], axis=1).astype(jnp.int32)
