@@ -182,6 +182,20 @@ def test_flash_mha_varlen_cross_attention_and_errors():
     flashjax.flash_mha_varlen(q, kv, kv, cu_q, cu_k, 0, 9)
 
 
+def _varlen_inputs(lens_q, lens_k, pad_q, pad_k, heads, heads_kv, seed):
+  """Packed random ``q, k, v, do`` with ``pad_q`` / ``pad_k`` padding rows past
+  the sequences, and their offsets ``cu_q, cu_k``."""
+  tq, tk = sum(lens_q) + pad_q, sum(lens_k) + pad_k
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (tq, heads, 16))
+  k = jax.random.normal(ks[1], (tk, heads_kv, 16))
+  v = jax.random.normal(ks[2], (tk, heads_kv, 16))
+  do = jax.random.normal(ks[3], (tq, heads, 16))
+  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
+  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  return q, k, v, do, cu_q, cu_k
+
+
 def _varlen_reference(lens_q, lens_k, total_q, **kw):
   """The reference on each sequence of packed ``[total, H, D]`` rows alone,
   padding rows 0: what ``flash_mha_varlen`` must give."""
@@ -202,14 +216,8 @@ def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
   # than k), padding tails on both: each sequence's band is aligned bottom-right
   # on its own, as FlashAttention does, in output and gradients.
   lens_q, lens_k = [3, 17, 9, 1], [11, 17, 4, 6]
-  tq, tk = sum(lens_q) + 5, sum(lens_k) + 2
-  ks = jax.random.split(jax.random.key(17), 4)
-  q = jax.random.normal(ks[0], (tq, 4, 16))
-  k = jax.random.normal(ks[1], (tk, 2, 16))
-  v = jax.random.normal(ks[2], (tk, 2, 16))
-  do = jax.random.normal(ks[3], (tq, 4, 16))
-  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
-  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  q, k, v, do, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 5, 2, 4, 2, seed=17)
+  tq = q.shape[0]
 
   def packed(q, k, v):
     return flashjax.flash_mha_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
@@ -233,14 +241,8 @@ def test_flash_mha_varlen_queries_on_their_keys_rows():
   under jit (a lax.cond); outputs and gradients against the reference per
   sequence (bottom-right bands)."""
   lens_q, lens_k = [3, 17, 4, 1], [11, 17, 9, 6]
-  tq, tk = sum(lens_q) + 3, sum(lens_k) + 2
-  ks = jax.random.split(jax.random.key(23), 4)
-  q = jax.random.normal(ks[0], (tq, 2, 16))
-  k = jax.random.normal(ks[1], (tk, 1, 16))
-  v = jax.random.normal(ks[2], (tk, 1, 16))
-  do = jax.random.normal(ks[3], (tq, 2, 16))
-  cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
-  cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  q, k, v, do, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 3, 2, 2, 1, seed=23)
+  tq, tk = q.shape[0], k.shape[0]
   run = lambda q, k, v, a, b: flashjax.flash_mha_varlen(
       q, k, v, a, b, max(lens_q), max(lens_k), is_causal=True, window_size=(5, -1))
 
