@@ -16,11 +16,11 @@ from jax import lax
 from ...common import compat
 
 
-def produce(lo_c, hi_c, num_stages: int, loads):
-  """The memory warpgroup of a one-tile CTA: fills the ring for steps
-  ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))`` pairs in the order the
-  consumers release them (see :func:`ring_fill`)."""
-  plgpu.set_max_registers(40, action="decrease")
+def produce(lo_c, hi_c, num_stages: int, loads, registers: int = 40):
+  """The memory warpgroup of a one-tile CTA, with ``registers`` per thread: fills
+  the ring for steps ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))``
+  pairs in the order the consumers release them (see :func:`ring_fill`)."""
+  plgpu.set_max_registers(registers, action="decrease")
 
   @pl.loop(lo_c, hi_c)
   def _step(s):
