@@ -1,9 +1,13 @@
 """Where a call's wall time goes on the GPU: kernels vs the gaps between them.
 
-  python -m tools.launch_gaps IMPLS SHAPES [N]
+  python -m tools.launch_gaps IMPLS SHAPES [N] [SET]
 
 IMPLS are benchmark names (``pallas,jax-cudnn``); SHAPES are name prefixes in the
-``standard`` set (``B2-S8k`` takes its causal and non-causal rows). Each forward
+shape set SET (default ``standard``; ``B2-S8k`` takes its causal and non-causal
+rows). In the ``packed`` sets each implementation runs as the CLI's packed
+benchmark runs it (with segment ids, ``[batched]`` on the same documents, and
+the varlen entries; benchmarks/packed.py), which splits a packed call's cost
+into its kernels and the XLA work that prepares the ids. Each forward
 and each backward (the vjp alone) runs N times back to back under
 ``jax.profiler``; from the trace's device events it prints, per call, the host
 wall time, the span from the first kernel's start to the last one's end, the
@@ -78,19 +82,28 @@ def measure(fn, args, n: int):
 def main(argv):
   import jax
   import jax.numpy as jnp
-  from flashjax.benchmarks import impls, timing
+  from flashjax.benchmarks import impls, packed, timing
   from flashjax.common.shapes import SHAPE_SETS
   names, prefixes = argv[0].split(","), argv[1].split(",")
   n = int(argv[2]) if len(argv) > 2 else 20
-  shapes = [s for s in SHAPE_SETS["standard"]
+  set_name = argv[3] if len(argv) > 3 else "standard"
+  shapes = [s for s in SHAPE_SETS[set_name]
             if any(s.name.startswith(p) for p in prefixes)]
+  built = {}
+  for name in names:
+    fn, reason = impls.build(name)
+    if fn is None:
+      print(f"{name}: not run: {reason}")
+    else:
+      built[name] = fn
+  if set_name.startswith("packed"):
+    calls = packed.variants(built)
+  else:
+    calls = {name: (lambda s, fn=fn: fn) for name, fn in built.items()}
   for s in shapes:
     q, k, v, do = timing.random_inputs(s, jnp.bfloat16)
-    for name in names:
-      fn, reason = impls.build(name)
-      if fn is None:
-        print(f"{name}: not run: {reason}")
-        continue
+    for name, build in calls.items():
+      fn = build(s)
       fwd = lambda q, k, v, fn=fn, s=s: fn(q, k, v, s.causal)
       _, vjp = jax.vjp(fwd, q, k, v)
       for direction, call, args in (("fwd", fwd, (q, k, v)),

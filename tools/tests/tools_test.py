@@ -117,6 +117,21 @@ def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
   assert launch_gaps.summarize([], n=1) is None
 
 
+def test_launch_gaps_runs_the_packed_set_as_the_packed_benchmark(monkeypatch, capsys):
+  """In a packed set each implementation runs with segment ids, as ``[batched]``
+  calls on the same documents and through the varlen entry, each forward and
+  backward measured once."""
+  from tools import launch_gaps
+  calls = []
+  monkeypatch.setattr(launch_gaps, "measure",
+                      lambda fn, args, n: (calls.append(n), (1.0, None))[1])
+  launch_gaps.main(["xla", "B1-8x512-H8-D64-causal", "3", "packed_cpu"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if "wall" in l]
+  assert [l.split()[1:3] for l in lines] == [
+      [v, d] for v in ("xla", "xla[batched]", "flash_mha_varlen") for d in ("fwd", "bwd")]
+  assert calls == [3] * 6
+
+
 def test_cpu_step_costs_counts_the_causal_schedule():
   from tools import cpu_step_costs as c
   from flashjax.xla_cpu.config import BlockSizes, XlaConfig
