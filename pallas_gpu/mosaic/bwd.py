@@ -70,18 +70,17 @@ def _index(shape, dim, start):
 
 
 def registers(g: Geometry) -> tuple[int, int]:
-  """Registers per thread of the compute and the memory warpgroups (setmaxnreg).
-  Both splits fill the 168 x 384 registers a CTA launches with (2 x 232 + 40 =
-  2 x 240 + 24); asking for more is never granted and hangs the kernel. With
-  232, ptxas spills 248 bytes per thread in the D = 128 causal backward (580
-  with segment ids). On an H200 (2026-11-24, bf16, kernel time of forward and
-  backward; two runs on two machines, one for GQA and D = 64) 240 took B1
-  S16k H16 causal 3% faster in both runs, B8 S2k causal 0.3% and 2%, 8 x 2048
-  packed 0.3% and 1.3%, GQA 32:8 B2 S8k causal 1.5%; D = 64 causal was 0.6%
-  slower and the full band within -0.3% to +0.7%, so the full band without
-  ids keeps 232.
+  """Registers per thread of the compute and the memory warpgroups
+  (pipeline.REGISTERS or REGISTERS_WIDE). With 232, ptxas spills 248 bytes per
+  thread in the D = 128 causal backward (580 with segment ids). On an H200
+  (2026-11-24, bf16, kernel time of forward and backward; two runs on two
+  machines, one for GQA and D = 64) 240 took B1 S16k H16 causal 3% faster in
+  both runs, B8 S2k causal 0.3% and 2%, 8 x 2048 packed 0.3% and 1.3%, GQA
+  32:8 B2 S8k causal 1.5%; D = 64 causal was 0.6% slower and the full band
+  within -0.3% to +0.7%, so the full band without ids keeps 232.
   """
-  return (232, 40) if g.band.is_full and not g.segments else (240, 24)
+  wide = not g.band.is_full or g.segments
+  return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 
 def _segment_scoped(g: Geometry, own: int, streamed: int):

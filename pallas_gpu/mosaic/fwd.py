@@ -109,9 +109,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
 
     @pl.when(wg < 2)
     def _compute():
-      # 2 x 128 threads x 232 + 128 x 40 fits the SM's 64K registers; 240 would
-      # not, and setmaxnreg then waits forever (seen as a hang at D = 256).
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(pipeline.REGISTERS[0], action="increase")
       my_q = q_smem.at[wg]
       my_o = o_smem[0].at[wg] if separate_o else my_q
 
@@ -309,7 +307,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(pipeline.REGISTERS[1], action="decrease")
 
       def tile_body(it, base):
         t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas, visible)

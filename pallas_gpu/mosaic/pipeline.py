@@ -15,8 +15,17 @@ from jax import lax
 
 from ...common import compat
 
+# Registers per thread of (each compute warpgroup, the memory warpgroup). A CTA
+# of three warpgroups launches with 168 x 384 registers; setmaxnreg only moves
+# them between warpgroups, and asking for more than that never returns (2 x 240
+# + 40 hung at D = 256). Both splits use them all. The forward keeps the narrow
+# one (240/24 was 0.7-1.6% slower there, H200, 2026-11-23); the backward's
+# choice is bwd.registers.
+REGISTERS = (232, 40)
+REGISTERS_WIDE = (240, 24)
 
-def produce(lo_c, hi_c, num_stages: int, loads, registers: int = 40):
+
+def produce(lo_c, hi_c, num_stages: int, loads, registers: int = REGISTERS[1]):
   """The memory warpgroup of a one-tile CTA, with ``registers`` per thread: fills
   the ring for steps ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))``
   pairs in the order the consumers release them (see :func:`ring_fill`)."""

@@ -249,6 +249,23 @@ def test_every_variant_lowers_for_cuda(variant):
       1 + mosaic_bwd_launches if shape["head_dim"] <= 128 and not additive else 1)
 
 
+def test_register_split_per_kernel():
+  """Both splits hand out exactly the 168 x 384 registers a three-warpgroup CTA
+  launches with (more hangs setmaxnreg); the backward widens its compute
+  warpgroups on banded and packed calls only (bwd.registers)."""
+  from flashjax.pallas_gpu.mosaic import bwd, pipeline
+  for compute, memory in (pipeline.REGISTERS, pipeline.REGISTERS_WIDE):
+    assert 2 * compute + memory == 168 * 3 and compute % 8 == memory % 8 == 0
+  ids = (jax.ShapeDtypeStruct((1, 256), jnp.int32),) * 2
+  for kw, wide in ((dict(), False), (dict(causal=True), True),
+                   (dict(sliding_window=(64, 64)), True), (dict(segment_ids=ids), True)):
+    spec = spec_lib.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
+                                  head_dim=128, dtype="bfloat16", **kw)
+    for g in mosaic.backward_geometries(spec, mosaic.default_config(spec)):
+      assert bwd.registers(g) == (pipeline.REGISTERS_WIDE if wide
+                                  else pipeline.REGISTERS), kw
+
+
 def test_supported_reasons():
   s = lambda **kw: spec_lib.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2,
                                           head_dim=kw.pop("d", 64), **kw)
