@@ -83,11 +83,11 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   from flashjax.benchmarks import impls, packed, timing
-  from flashjax.common.shapes import SHAPE_SETS
+  from flashjax.common import shapes as shape_sets
   names, prefixes = argv[0].split(","), argv[1].split(",")
   n = int(argv[2]) if len(argv) > 2 else 20
   set_name = argv[3] if len(argv) > 3 else "standard"
-  shapes = [s for s in SHAPE_SETS[set_name]
+  shapes = [s for s in shape_sets.get(set_name)
             if any(s.name.startswith(p) for p in prefixes)]
   built = {}
   for name in names:
