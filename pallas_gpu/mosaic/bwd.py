@@ -71,15 +71,19 @@ def _index(shape, dim, start):
 
 def registers(g: Geometry) -> tuple[int, int]:
   """Registers per thread of the compute and the memory warpgroups
-  (pipeline.REGISTERS or REGISTERS_WIDE). With 232, ptxas spills 248 bytes per
-  thread in the D = 128 causal backward (580 with segment ids). On an H200
-  (2026-11-24, bf16, kernel time of forward and backward; two runs on two
-  machines, one for GQA and D = 64) 240 took B1 S16k H16 causal 3% faster in
-  both runs, B8 S2k causal 0.3% and 2%, 8 x 2048 packed 0.3% and 1.3%, GQA
-  32:8 B2 S8k causal 1.5%; D = 64 causal was 0.6% slower and the full band
-  within -0.3% to +0.7%, so the full band without ids keeps 232.
+  (pipeline.REGISTERS or REGISTERS_WIDE): the wide split for D = 128 with a
+  causal or window band (with or without segment ids). With 232, ptxas spills
+  248 bytes per thread in the D = 128 causal backward (580 with segment ids).
+  On an H200 (2026-11-24, bf16, kernel time of forward and backward, two runs
+  on two machines) 240 took B1 S16k H16 causal 3.2% and 3.1% faster, B8 S2k
+  causal 1.6% and 0.3%, 8 x 2048 packed causal 1.3% and 0.3%, and (second run
+  only) GQA 32:8 B2 S8k causal 1.5%; D = 64 causal was 0.6% slower and the
+  full band 0.6% slower (first run), so those keep 232. The second run's
+  spread on unchanged full-band calls was -0.3% to +0.7%, as large as the
+  smaller gains. Windows and full-band calls with segment ids were not
+  measured: windows follow causal, full-band calls keep 232.
   """
-  wide = not g.band.is_full or g.segments
+  wide = g.head_dim == 128 and not g.band.is_full
   return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 

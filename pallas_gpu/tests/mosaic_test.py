@@ -249,21 +249,48 @@ def test_every_variant_lowers_for_cuda(variant):
       1 + mosaic_bwd_launches if shape["head_dim"] <= 128 and not additive else 1)
 
 
-def test_register_split_per_kernel():
-  """Both splits hand out exactly the 168 x 384 registers a three-warpgroup CTA
-  launches with (more hangs setmaxnreg); the backward widens its compute
-  warpgroups on banded and packed calls only (bwd.registers)."""
-  from flashjax.pallas_gpu.mosaic import bwd, pipeline
+@pytest.mark.parametrize("kw,head_dim,wide", [
+    (dict(), 128, False), (dict(causal=True), 128, True),
+    (dict(sliding_window=(64, 64)), 128, True), (dict(causal=True), 64, False),
+    (dict(causal=True, segment_ids=True), 128, True), (dict(segment_ids=True), 128, False)])
+def test_register_split_per_kernel(monkeypatch, kw, head_dim, wide):
+  """The kernels ask setmaxnreg for one of the two splits, each handing out
+  exactly the 168 x 384 registers a three-warpgroup CTA launches with (more
+  hangs): the forward always the narrow one, the backward the wide one for
+  D = 128 with a causal or window band (bwd.registers), as recorded while the
+  kernels are traced for CUDA."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from flashjax.pallas_gpu.mosaic import pipeline
   for compute, memory in (pipeline.REGISTERS, pipeline.REGISTERS_WIDE):
     assert 2 * compute + memory == 168 * 3 and compute % 8 == memory % 8 == 0
-  ids = (jax.ShapeDtypeStruct((1, 256), jnp.int32),) * 2
-  for kw, wide in ((dict(), False), (dict(causal=True), True),
-                   (dict(sliding_window=(64, 64)), True), (dict(segment_ids=ids), True)):
-    spec = spec_lib.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
-                                  head_dim=128, dtype="bfloat16", **kw)
-    for g in mosaic.backward_geometries(spec, mosaic.default_config(spec)):
-      assert bwd.registers(g) == (pipeline.REGISTERS_WIDE if wide
-                                  else pipeline.REGISTERS), kw
+  asked = []
+  original = plgpu.set_max_registers
+  monkeypatch.setattr(plgpu, "set_max_registers", lambda n, *, action: (
+      asked.append((n, action)), original(n, action=action))[1])
+  sd = jax.ShapeDtypeStruct
+  q = sd((1, 256, 2, head_dim), jnp.bfloat16)
+  kw = dict(kw)
+  ids = (sd((1, 256), jnp.int32),) if kw.pop("segment_ids", False) else ()
+
+  def lower(direction):
+    def call(q, k, v, *i):
+      ops, spec = spec_lib.canonicalize(q, k, v, segment_ids=(i[0], i[0]) if i else None,
+                                        **kw)
+      static = platform.Static(mosaic.default_config(spec))
+      out, lse = mosaic.forward(ops, spec, static)
+      if direction == "fwd":
+        return out
+      return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+    asked.clear()
+    jax.jit(call).trace(q, q, q, *ids).lower(lowering_platforms=("cuda",))
+    return set(asked)
+
+  narrow = {(pipeline.REGISTERS[0], "increase"), (pipeline.REGISTERS[1], "decrease")}
+  wide_split = {(pipeline.REGISTERS_WIDE[0], "increase"),
+                (pipeline.REGISTERS_WIDE[1], "decrease")}
+  assert lower("fwd") == narrow
+  # The backward's trace holds the forward's kernel too.
+  assert lower("bwd") == narrow | (wide_split if wide else set())
 
 
 def test_supported_reasons():
