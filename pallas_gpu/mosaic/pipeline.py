@@ -25,7 +25,7 @@ REGISTERS = (232, 40)
 REGISTERS_WIDE = (240, 24)
 
 
-def produce(lo_c, hi_c, num_stages: int, loads, registers: int = REGISTERS[1]):
+def produce(lo_c, hi_c, num_stages: int, loads, registers: int):
   """The memory warpgroup of a one-tile CTA, with ``registers`` per thread: fills
   the ring for steps ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))``
   pairs in the order the consumers release them (see :func:`ring_fill`)."""
