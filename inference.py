@@ -10,8 +10,8 @@ and the append once, and runs the platform's attention over the cache:
   the page DMAs;
 * GPU (``pallas`` or ``pallas-triton``): the Pallas-Triton split-KV decode kernel
   (pallas_gpu/triton/kvcache.py) where it applies (power-of-two head dims, at most
-  64 query rows per key head, pages of a power of two >= 16), else the xla path
-  (logged once); ``triton`` runs the xla path.
+  64 query rows per key head, any page size), else the xla path (logged once);
+  ``triton`` runs the xla path.
 
 ``flash_attention`` with few queries against many keys (decode, chunked prefill)
 takes the same split-KV kernel on the Pallas GPU platforms, Mosaic-GPU's route and

@@ -21,16 +21,16 @@ def _arrays(head_dim=32):
 def test_gpu_without_a_kernel_for_the_call_runs_xla_and_says_so_once(caplog,
                                                                      monkeypatch):
   monkeypatch.setattr(registry, "_logged", set())
-  a = _arrays()
+  a = _arrays(head_dim=48)
   want = flashjax.flash_mha_with_kvcache(**a, backend="cpu")
   with caplog.at_level(logging.WARNING, logger="flashjax"):
     for platform in (None, None, "triton"):
       got = flashjax.flash_mha_with_kvcache(**a, backend="gpu", platform=platform)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   msgs = [r.getMessage() for r in caplog.records]
-  # Pages of 8 positions are below the GPU kernel's 16-row tiles.
+  # The GPU kernel's tiles take power-of-two head dims.
   assert len(msgs) == 2, msgs
-  assert "skipped: pallas-triton kvcache: page size 8" in msgs[0]
+  assert "skipped: pallas-triton kvcache: head dims 48/48" in msgs[0]
   assert "no triton kernel yet; running the xla path" in msgs[1]
 
 

@@ -532,8 +532,9 @@ def test_default_tiles_fit_every_generation(dtype):
 
 class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
   """The Pallas-Triton KV-cache kernel (pallas_gpu/triton/kvcache.py) in interpret
-  mode where it applies; the rest (pages under 16 positions, other head dims) runs
-  the xla path through the same dispatch."""
+  mode where it applies (pages of 1, 5, 7 and 8 positions load gathered tiles, of 64
+  and 256 one page per tile); the rest (head dims that are not a power of two)
+  runs the xla path through the same dispatch."""
 
   KV_CAPS = conformance_kvcache.KvCapabilities(name="pallas-triton[kvcache,interpret]",
                                                hypothesis_examples=1)

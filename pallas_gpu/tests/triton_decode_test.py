@@ -140,9 +140,9 @@ def test_default_tiles_fit_shared_memory():
 
 
 def test_kvcache_default_tiles_are_the_tiles_that_run():
-  """Pages under 64 positions bound the key tile; the default says so, so that
-  fitting it to shared memory keeps the deep pipeline its short tiles were
-  measured with (sized for 128-key tiles, 6 stages of 16 keys were cut to 3)."""
+  """Pages that 64 does not divide load gathered 64-key tiles in 6 stages (the
+  pipeline they were measured with on an H200; fitting keeps it); pages of 64
+  and more load each tile from one page; the default names the tile that runs."""
   from flashjax.common import kvcache as kv
   from flashjax.pallas_gpu.triton import kvcache as tk
   budget = 232448 - 4096
@@ -150,13 +150,60 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
       batch=64, seq_q=1, heads_q=32, heads_kv=8, head_dim=128, head_dim_v=128,
       dtype="bfloat16", softmax_scale=0.1, cache_rows=64 * 512, capacity=8192,
       page_size=16, num_splits=0), **kw})
-  for spec, want in ((mk(), (16, 8, 2)), (mk(page_size=32), (32, 8, 2)),
-                     (mk(seq_q=16), (16, 10, 4)), (mk(page_size=64), (64, 6, 2)),
-                     (mk(page_size=64, seq_q=16), (64, 6, 4)),
-                     (mk(page_size=256, seq_q=16), (64, 6, 4)),
-                     (mk(page_size=256), (128, 3, 4)),
-                     (mk(page_size=None, cache_rows=64), (128, 3, 4)),
-                     (mk(page_size=None, cache_rows=64, seq_q=16), (64, 3, 4))):
+  for spec, want, gathered in (
+      (mk(), (64, 6, 4), True), (mk(page_size=32), (64, 6, 4), True),
+      (mk(page_size=1), (64, 6, 4), True), (mk(page_size=8, capacity=8192), (64, 6, 4), True),
+      (mk(seq_q=16), (64, 6, 4), True), (mk(page_size=64), (64, 6, 2), False),
+      (mk(page_size=64, seq_q=16), (64, 6, 4), False),
+      (mk(page_size=256, seq_q=16), (64, 6, 4), False),
+      (mk(page_size=256), (128, 3, 4), False),
+      (mk(page_size=None, cache_rows=64), (128, 3, 4), False),
+      (mk(page_size=None, cache_rows=64, seq_q=16), (64, 3, 4), False)):
     cfg = triton_decode.fit(tk.default_config(spec), spec, triton_decode.packed_rows(spec), budget)
     assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)
     assert tk._block_kv(spec, cfg) == cfg.block_kv
+    assert tk.gathered(spec, cfg.block_kv) == gathered, spec
+  # A tile no longer than the row needs (rounded up to a power of two, >= 16).
+  short = mk(page_size=5, capacity=35)
+  assert tk._block_kv(short, tk.default_config(short)) == 64
+  tiny = mk(page_size=1, capacity=12)
+  assert tk._block_kv(tiny, tk.default_config(tiny)) == 16
+  assert tk.supported(mk(page_size=7, capacity=35)) is None
+
+
+@pytest.mark.parametrize("page_size,block_kv", [(16, 64), (16, 32), (5, 16), (96, 64)])
+def test_kvcache_gathered_tiles_match_page_tiles(page_size, block_kv):
+  """A tile gathered across pages (interpret mode) gives what the xla path gives,
+  on a pool whose unused pages hold NaN and rows that end mid-tile, mid-page and
+  past the last whole tile."""
+  import flashjax
+  from flashjax.pallas_gpu.triton import kvcache as tk
+  rng = np.random.default_rng(page_size + block_kv)
+  b, hq, hkv, d, max_pages = 3, 8, 2, 64, 9
+  cap = max_pages * page_size
+  num_pages = b * max_pages + 2
+  kc = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+  vc = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+  table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages)
+  lens = np.array([cap, cap // 2 + 3, 1 + page_size])
+  for row in range(b):  # pages past a row's length hold NaN
+    used = -(-int(lens[row]) // page_size)
+    kc[table[row, used:]] = np.nan
+    vc[table[row, used:]] = np.nan
+  q = rng.standard_normal((b, 2, hq, d)).astype(np.float32)
+  args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc))
+  kw = dict(cache_seqlens=jnp.asarray(lens, jnp.int32), is_causal=True,
+            page_table=jnp.asarray(table, jnp.int32), return_softmax_lse=True)
+  cfg = triton_decode.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=2)
+  spec = flashjax.common.kvcache.KvCacheSpec(
+      batch=b, seq_q=2, heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_v=d,
+      dtype="float32", softmax_scale=0.1, cache_rows=num_pages, capacity=cap,
+      page_size=page_size)
+  assert tk.gathered(spec, tk._block_kv(spec, cfg))
+  got = flashjax.flash_mha_with_kvcache(*args, **kw, backend="gpu",
+                                        platform="pallas-triton", interpret=True,
+                                        config=cfg)
+  want = flashjax.flash_mha_with_kvcache(*args, **kw, platform="xla")
+  for x, y in zip(got, want):
+    assert not np.isnan(np.asarray(x)).any()
+    np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5)

@@ -3,10 +3,13 @@
 The decode kernel of decode.py, reading a cache instead of ``[B, Sk, ..]``
 keys: each program reads its batch row's key range ``[lo, hi)`` (leftpad, length,
 window: ``common.kvcache.key_range``), its cache row (``cache_batch_idx``) or the
-pages of its row (``page_table``) as scalars, and loads whole key tiles from that
-row or page. A page holds a whole number of tiles (the tile is at most the page),
-so a paged tile is one contiguous load. Slots outside a row's keys are never let
-into the sums, whatever they hold (NaN included): their logits are masked and
+pages of its row (``page_table``), and loads whole key tiles from that row or
+page. Where a page holds a whole number of tiles, a paged tile is one contiguous
+load after one scalar read of the table. Otherwise (pages shorter than the tile,
+or of a size the tile does not divide) the tile is gathered key by key: each key
+reads its page from the table and its slot in that page, so any page size runs
+with tiles as long as a contiguous cache's. Slots outside a row's keys are never
+let into the sums, whatever they hold (NaN included): their logits are masked and
 their values zeroed before the product.
 """
 
@@ -28,8 +31,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _block_kv(spec: kv.KvCacheSpec, cfg: td.DecodeConfig) -> int:
   if spec.paged:
-    return min(cfg.block_kv, spec.page_size)
+    # Gathered tiles may run past the capacity (masked); no longer than needed.
+    return max(td.MIN_ROWS, min(cfg.block_kv, 1 << (spec.capacity - 1).bit_length()))
   return min(cfg.block_kv, 1 << (spec.capacity.bit_length() - 1))
+
+
+def gathered(spec: kv.KvCacheSpec, bk: int) -> bool:
+  """Whether a paged tile of ``bk`` keys is gathered key by key (a page does not
+  hold a whole number of tiles) rather than loaded from one page."""
+  return spec.paged and spec.page_size % bk != 0
 
 
 def supported(spec: kv.KvCacheSpec) -> str | None:
@@ -42,11 +52,7 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
   if spec.seq_q * spec.group_size > td.MAX_ROWS:
     return (f"pallas-triton kvcache: {spec.seq_q} queries x {spec.group_size} heads"
             f" per key head > {td.MAX_ROWS} rows")
-  if spec.paged:
-    p = spec.page_size
-    if p < td.MIN_ROWS or p & (p - 1):
-      return f"pallas-triton kvcache: page size {p} (needs a power of two >= 16)"
-  elif spec.capacity < td.MIN_ROWS:
+  if not spec.paged and spec.capacity < td.MIN_ROWS:
     return f"pallas-triton kvcache: cache length {spec.capacity} < {td.MIN_ROWS}"
   return None
 
@@ -54,25 +60,30 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
   """decode.py's tiles where the cache is contiguous, deeper pipelines where it
   is paged, and the call's ``num_splits`` (0 = automatic, 1 = none,
-  FlashAttention's meaning). A page bounds the key tile, and short tiles need
-  more of them in flight. H200 sweeps on the benchmark's own caches (2026-11-24,
+  FlashAttention's meaning). H200 sweeps on the benchmark's own caches (2026-11-24,
   bf16, GQA 32:8, D = 128; docs/reports/2026-11-24-h200-kvcache-tiles.txt), GB/s
   at B64 Sk8k / B8 Sk64k / B1 Sk128k (Sq = 1) and B32 Sk4k (Sq = 16):
 
-  - pages of 16: 8 stages over 2 warps 4163 / 3324 / 3093 (4 stages over 4
-    warps: 2660 / 1744 / 1665); at Sq = 16, 10 stages over 4 warps 2459 (8: 2223);
+  - pages whose size 64 does not divide (16, 8, 1, odd sizes): gathered 64-key
+    tiles in 6 stages over 4 warps. Second sweep (2026-11-25,
+    docs/reports/2026-11-25-h200-kvcache-gathered-tiles.txt), pages of 16:
+    4231 / 4331 / 3688 and 3497 at Sq = 16, against 16-key page tiles (8 stages
+    over 2 warps, 10 over 4 at Sq = 16) 4279 / 3333 / 3062 and 2395, and the
+    contiguous cache 4230 / 4376 / 3706 and 3424 in the same run; pages of 8 and
+    1 within 2% of pages of 16. Fewer stages lost (64 keys in 4 stages over 4
+    warps: 3319 / 3608 / 3171 / 2956), and 128-key tiles did (3 stages: 4139 /
+    4178 / 3461 / 2349);
   - pages of 64: 6 stages 4240 / 4180 / 3693 over 2 warps (3 stages over 4:
     3234 / 3739 / 3342), 3535 over 4 warps at Sq = 16 (3132);
   - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112);
   - contiguous at Sq = 16: 64-key tiles in 3 stages 3471 (2 stages: 3153, 6
     stages: 3095; docs/reports/2026-11-24-h200-segment-ids-overhead.txt).
 
-  ``block_kv`` is the tile that runs (at most the page), so :func:`td.fit` sizes
-  the stages for it."""
+  ``block_kv`` is the tile that runs, so :func:`td.fit` sizes the stages for
+  it."""
   wide = td.packed_rows(spec) > 16
-  if spec.paged and spec.page_size < 64:
-    cfg = td.DecodeConfig(block_kv=spec.page_size, num_stages=10 if wide else 8,
-                          num_warps=4 if wide else 2)
+  if spec.paged and spec.page_size % 64:
+    cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4)
   elif spec.paged and spec.page_size == 64:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
   elif wide and spec.paged:
@@ -101,7 +112,15 @@ def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, 
   diag = row % spec.seq_q + total - spec.seq_q
 
   def tile(j):
-    if spec.paged:
+    if gathered(spec, bk):
+      start = j * bk
+      key = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+      # Keys past the capacity (a tile longer than the row) read its last page
+      # and are masked below.
+      page = rows_ref[jnp.minimum(key // spec.page_size, spec.max_pages - 1)]
+      slot = key % spec.page_size
+      k, v = k_ref[page, slot, :], v_ref[page, slot, :]
+    elif spec.paged:
       start = j * bk
       page = rows_ref[start // spec.page_size]
       off = start % spec.page_size
