@@ -407,15 +407,16 @@ def key_range(total, leftpad, spec: KvCacheSpec):
   return lo, jnp.maximum(lo, hi)
 
 
-def group_queries(q, spec: KvCacheSpec):
+def group_queries(q, spec):
   """``[B, Sq, Hq, D]`` -> ``[B, Hkv, G * Sq, D]``: the queries of one key head
-  as one matrix, row ``g * Sq + i`` (query ``i`` of head ``h * G + g``)."""
+  as one matrix, row ``g * Sq + i`` (query ``i`` of head ``h * G + g``). ``spec``:
+  a :class:`KvCacheSpec` or an ``AttentionSpec`` (the decode kernels')."""
   b, sq, hq, d = q.shape
   x = q.reshape(b, sq, spec.heads_kv, spec.group_size, d)
   return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, spec.heads_kv, -1, d)
 
 
-def ungroup(out, lse, spec: KvCacheSpec):
+def ungroup(out, lse, spec):
   """Inverse of :func:`group_queries` for ``out [B, Hkv, G*Sq, Dv]`` and
   ``lse [B, Hkv, G*Sq]`` -> ``[B, Sq, Hq, Dv]``, ``[B, Hq, Sq]``."""
   b, sq = spec.batch, spec.seq_q

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...common import epilogue, hardware
+from ...common import kvcache as kv
 from ...common.blocking import LN2, LOG2E
 from ...common import spec as spec_lib
 
@@ -218,9 +219,8 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   bk = _block_kv(spec, cfg)
   first, last = key_blocks(spec, bk)
   per = -(-(last - first) // splits) if last > first else 0
-  packed = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
-      b, hkv, g * sq, d)
-  packed = jnp.pad(packed, ((0, 0), (0, 0), (0, rows - g * sq), (0, 0)))
+  packed = jnp.pad(kv.group_queries(q, spec),
+                   ((0, 0), (0, 0), (0, rows - g * sq), (0, 0)))
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, first=first, per=per,
                              last=last, rows=rows, precision=precision)
@@ -259,10 +259,8 @@ def combine(out_parts, lse_parts, spec):
   lse = jax.nn.logsumexp(lse_parts, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_parts - lse), 0.0)
   out = jnp.sum(w[..., None] * out_parts, axis=0)
-  b, hkv, g, sq = spec.batch, spec.heads_kv, spec.group_size, spec.seq_q
-  out = out[:, :, :g * sq].reshape(b, hkv, g, sq, -1).transpose(0, 3, 1, 2, 4)
-  lse = lse[:, :, :g * sq].reshape(b, hkv * g, sq)
-  return out.reshape(b, sq, hkv * g, -1), lse
+  real = spec.seq_q * spec.group_size
+  return kv.ungroup(out[:, :, :real], lse[:, :, :real], spec)
 
 
 def forward(ops: spec_lib.Operands, spec: spec_lib.AttentionSpec,
