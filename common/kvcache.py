@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .spec import parse_window
+from . import spec as spec_lib
+from .spec import parse_window, shape_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -88,13 +89,6 @@ class KvOperands(NamedTuple):
   sinks: Any = None  # [Hq, n]
 
 
-def _shape(x, name):
-  shape = getattr(x, "shape", None)
-  if shape is None:
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  return tuple(shape)
-
-
 def _concrete(x):
   """``x`` as a numpy int array when its values are known, else None (traced
   values raise on conversion; abstract ones convert to an object array)."""
@@ -112,7 +106,7 @@ def _int_vector(x, name, batch, *, default=None):
     return default
   if isinstance(x, numbers.Integral) and not isinstance(x, bool):
     return jnp.full((batch,), int(x), jnp.int32)
-  shape = _shape(x, name)
+  shape = shape_of(x, name)
   if shape not in ((batch,), ()) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an int or an int array [B] = [{batch}], got "
                      f"shape {shape} dtype {jnp.dtype(x.dtype).name}")
@@ -130,7 +124,8 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
   Shapes and dtypes are checked always; the values of the lengths, page table,
   batch indices and rotary positions whenever they are concrete (not traced).
   """
-  qs, kcs, vcs = _shape(q, "q"), _shape(k_cache, "k_cache"), _shape(v_cache, "v_cache")
+  qs, kcs = shape_of(q, "q"), shape_of(k_cache, "k_cache")
+  vcs = shape_of(v_cache, "v_cache")
   for name, s in (("q", qs), ("k_cache", kcs), ("v_cache", vcs)):
     if len(s) != 4 or min(s) < 1:
       raise ValueError(f"{name} must be a non-empty rank-4 array, got shape {s}")
@@ -156,7 +151,7 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
     if cache_batch_idx is not None:
       raise ValueError("cache_batch_idx selects rows of a contiguous cache; with a "
                        "page_table the table already maps each batch row to its pages")
-    pts = _shape(page_table, "page_table")
+    pts = shape_of(page_table, "page_table")
     if len(pts) != 2 or pts[0] != b or not jnp.issubdtype(page_table.dtype,
                                                            jnp.integer):
       raise ValueError(f"page_table must be an int array [B, max_pages] with B = {b},"
@@ -173,7 +168,7 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
   if (k is None) != (v is None):
     raise ValueError("k and v (the new keys and values) must be given together")
   if k is not None:
-    ks, vs = _shape(k, "k"), _shape(v, "v")
+    ks, vs = shape_of(k, "k"), shape_of(v, "v")
     if len(ks) != 4 or ks[0] != b or ks[2:] != (hkv, d):
       raise ValueError(f"k must be [B, S_new, Hkv, D] = [{b}, S_new, {hkv}, {d}], "
                        f"got {ks}")
@@ -209,7 +204,7 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
     if k is None:
       raise ValueError("rotary embedding needs the new keys k (the cache holds "
                        "keys that are already rotated)")
-    cs, ss = _shape(rotary_cos, "rotary_cos"), _shape(rotary_sin, "rotary_sin")
+    cs, ss = shape_of(rotary_cos, "rotary_cos"), shape_of(rotary_sin, "rotary_sin")
     if len(cs) != 2 or cs != ss or 2 * cs[1] > d:
       raise ValueError(f"rotary_cos and rotary_sin must both be [S_ro, rotary_dim/2]"
                        f" with rotary_dim <= D = {d}, got {cs} and {ss}")
@@ -217,22 +212,8 @@ def canonicalize(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
   if not isinstance(rotary_interleaved, bool):
     raise ValueError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
 
-  if logits_soft_cap is not None:
-    if (not isinstance(logits_soft_cap, numbers.Real) or isinstance(
-        logits_soft_cap, bool) or not math.isfinite(logits_soft_cap)
-        or logits_soft_cap <= 0):
-      raise ValueError("logits_soft_cap must be None or a finite positive number, "
-                       f"got {logits_soft_cap!r}")
-    logits_soft_cap = float(logits_soft_cap)
-  num_sinks = 0
-  if sinks is not None:
-    shp = _shape(sinks, "sinks")
-    if len(shp) not in (1, 2) or shp[0] != hq or not jnp.issubdtype(
-        sinks.dtype, jnp.floating) or (len(shp) == 2 and shp[1] < 1):
-      raise ValueError(f"sinks must be a float array [Hq] or [Hq, n] with Hq = {hq},"
-                       f" got shape {shp}")
-    sinks = sinks[:, None] if len(shp) == 1 else sinks
-    num_sinks = sinks.shape[1]
+  logits_soft_cap = spec_lib.soft_cap(logits_soft_cap)
+  sinks, num_sinks = spec_lib.sinks_per_head(sinks, hq)
   if not isinstance(num_splits, numbers.Integral) or isinstance(
       num_splits, bool) or num_splits < 0:
     raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got "

@@ -86,7 +86,8 @@ class Operands(NamedTuple):
   dropout_seed: Any = None  # uint32 scalar
 
 
-def _shape(x, name):
+def shape_of(x, name):
+  """``x.shape`` as a tuple; raises naming ``name`` when ``x`` is no array."""
   shape = getattr(x, "shape", None)
   if shape is None:
     raise ValueError(f"{name} must be an array, got {type(x).__name__}")
@@ -98,7 +99,7 @@ def _dtype_name(x) -> str:
 
 
 def _broadcast_rank4(x, name, full, *, kind):
-  shape = _shape(x, name)
+  shape = shape_of(x, name)
   if len(shape) > 4:
     raise ValueError(f"{name} must have rank <= 4 (broadcastable to "
                      f"[B, Hq, Sq, Sk] = {list(full)}), got shape {shape}")
@@ -164,6 +165,38 @@ def static_number(x, name: str):
                      f"{list(getattr(x, 'shape', ()))}; pass float(x) outside jit")
 
 
+def soft_cap(logits_soft_cap) -> float | None:
+  """``logits_soft_cap`` as a float (None stays None); raises unless it is a
+  finite positive static number."""
+  if logits_soft_cap is None:
+    return None
+  static_number(logits_soft_cap, "logits_soft_cap")
+  if (not isinstance(logits_soft_cap, numbers.Real) or isinstance(
+      logits_soft_cap, bool) or not math.isfinite(logits_soft_cap)
+      or logits_soft_cap <= 0):
+    raise ValueError("logits_soft_cap must be None or a finite positive number, "
+                     f"got {logits_soft_cap!r}")
+  return float(logits_soft_cap)
+
+
+def sinks_per_head(sinks, hq: int):
+  """``(sinks [Hq, n], n)`` from sinks ``[Hq]`` or ``[Hq, n]``, or ``(None, 0)``;
+  raises naming the shape or dtype that does not fit."""
+  if sinks is None:
+    return None, 0
+  ss = shape_of(sinks, "sinks")
+  if len(ss) not in (1, 2) or ss[0] != hq:
+    raise ValueError(f"sinks must have shape [Hq] or [Hq, n] with Hq = {hq}, "
+                     f"got {ss}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be floating point, got dtype {_dtype_name(sinks)}")
+  if len(ss) == 1:
+    sinks = sinks[:, None]
+  if sinks.shape[1] < 1:
+    raise ValueError(f"sinks must have at least one sink per head, got {ss}")
+  return sinks, sinks.shape[1]
+
+
 def int32_segment_ids(q_ids, kv_ids):
   """Segment ids as int32, equal exactly where the given ids are equal.
 
@@ -189,7 +222,7 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
                  logits_soft_cap=None, sinks=None, dropout_rate=0.0,
                  dropout_seed=None, return_lse=False):
   """Validates a call of the contract; returns ``(Operands, AttentionSpec)``."""
-  qs, ks, vs = _shape(q, "q"), _shape(k, "k"), _shape(v, "v")
+  qs, ks, vs = shape_of(q, "q"), shape_of(k, "k"), shape_of(v, "v")
   for name, s in (("q", qs), ("k", ks), ("v", vs)):
     if len(s) != 4:
       raise ValueError(f"{name} must have rank 4 [B, S, H, D], got shape {s}")
@@ -242,35 +275,15 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
     q_ids, kv_ids = segment_ids
     for name, ids, want in (("segment_ids[0] (q)", q_ids, (b, sq)),
                             ("segment_ids[1] (kv)", kv_ids, (b, sk))):
-      if _shape(ids, name) != want:
+      if shape_of(ids, name) != want:
         raise ValueError(f"{name} must have shape {list(want)}, got "
-                         f"{_shape(ids, name)}")
+                         f"{shape_of(ids, name)}")
       if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer, got dtype {_dtype_name(ids)}")
     q_ids, kv_ids = int32_segment_ids(q_ids, kv_ids)
 
-  if logits_soft_cap is not None:
-    static_number(logits_soft_cap, "logits_soft_cap")
-    if (not isinstance(logits_soft_cap, numbers.Real) or isinstance(
-        logits_soft_cap, bool) or not math.isfinite(logits_soft_cap)
-        or logits_soft_cap <= 0):
-      raise ValueError("logits_soft_cap must be None or a finite positive number, "
-                       f"got {logits_soft_cap!r}")
-    logits_soft_cap = float(logits_soft_cap)
-
-  num_sinks = 0
-  if sinks is not None:
-    ss = _shape(sinks, "sinks")
-    if len(ss) == 1:
-      sinks = sinks[:, None]
-    if len(ss) not in (1, 2) or ss[0] != hq:
-      raise ValueError(f"sinks must have shape [Hq] or [Hq, n] with Hq = {hq}, "
-                       f"got {ss}")
-    if not jnp.issubdtype(sinks.dtype, jnp.floating):
-      raise ValueError(f"sinks must be floating point, got dtype {_dtype_name(sinks)}")
-    num_sinks = sinks.shape[1]
-    if num_sinks < 1:
-      raise ValueError(f"sinks must have at least one sink per head, got {ss}")
+  logits_soft_cap = soft_cap(logits_soft_cap)
+  sinks, num_sinks = sinks_per_head(sinks, hq)
 
   static_number(dropout_rate, "dropout_rate")
   if (not isinstance(dropout_rate, numbers.Real) or isinstance(dropout_rate, bool)
@@ -286,7 +299,7 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
       seed = jnp.uint32(int(dropout_seed) & 0xFFFFFFFF)
     else:
       seed = dropout_seed
-      if (_shape(seed, "dropout_seed") != () or
+      if (shape_of(seed, "dropout_seed") != () or
           not jnp.issubdtype(seed.dtype, jnp.integer)):
         raise ValueError("dropout_seed must be an integer scalar, got "
                          f"{dropout_seed!r}")
