@@ -69,15 +69,7 @@ def _kernel(*refs, plan: Plan, has: dict, count: bool):
                       None if mask_ref is None else mask_ref[...])
     if ok is not None:
       s = jnp.where(ok, s, -jnp.inf)
-    m_prev = m_sc[:, :1]
-    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    # Rows with nothing allowed yet keep m = -inf; shift by 0 so exp gives 0.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_prev - m_safe)
-    l_sc[...] = jnp.broadcast_to(alpha * l_sc[:, :1] + p.sum(axis=1, keepdims=True),
-                                 l_sc.shape)
-    m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+    p, alpha = tile.online_softmax(s, m_sc, l_sc)
     if seed is not None:
       p = jnp.where(tile.dropout_keep(plan, seed, b, h, i, jj), p, 0.0)
     v = v_ref[...]
@@ -87,14 +79,9 @@ def _kernel(*refs, plan: Plan, has: dict, count: bool):
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
-    l = l_sc[:, :1]
-    nonempty = l > 0
-    out = acc_sc[...] / jnp.where(nonempty, l, 1.0)
-    if spec.dropout_rate > 0:
-      out = out * (1.0 / (1.0 - spec.dropout_rate))
+    out, lse = tile.finish_rows(acc_sc, m_sc, l_sc, 1.0 / (1.0 - spec.dropout_rate))
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m_sc[:, :1] + jnp.log(jnp.where(nonempty, l, 1.0)),
-                             -jnp.inf)
+    lse_ref[...] = lse
 
 
 def forward(x: KernelOperands, plan: Plan, *, interpret=None, count: bool = False):

@@ -79,15 +79,7 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
     if spec.logits_soft_cap is not None:
       s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
     s = jnp.where(ok, s, -jnp.inf)
-    m_prev = m_sc[:, :1]
-    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    # Rows with nothing allowed yet keep m = -inf; shift by 0 so exp gives 0.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_prev - m_safe)
-    l_sc[...] = jnp.broadcast_to(alpha * l_sc[:, :1] + p.sum(axis=1, keepdims=True),
-                                 l_sc.shape)
-    m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+    p, alpha = tile.online_softmax(s, m_sc, l_sc)
     # Free slots (and a partial last block's padding) are never read: whatever
     # they hold must not reach the output through 0 * x.
     col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
@@ -99,11 +91,9 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _finish():
-    l = l_sc[:, :1]
-    nonempty = l > 0
-    o_ref[...] = (acc_sc[...] / jnp.where(nonempty, l, 1.0)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(
-        nonempty, m_sc[:, :1] + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    out, lse = tile.finish_rows(acc_sc, m_sc, l_sc)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def kvcache_attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,

@@ -31,6 +31,35 @@ def matmul(a, b, contract_lhs=1):
                              preferred_element_type=jnp.float32)
 
 
+def online_softmax(s, m_sc, l_sc):
+  """One step of the online softmax over logits ``s`` (-inf where masked), with
+  the running row max and sum in the VMEM scratch ``m_sc``, ``l_sc`` (rows
+  broadcast along lanes): updates both and returns ``(p, alpha)``, the step's
+  unnormalised probabilities and the rescale of what was accumulated before."""
+  m_prev = m_sc[:, :1]
+  m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+  # Rows with nothing allowed yet keep m = -inf; shift by 0 so exp gives 0.
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  p = jnp.exp(s - m_safe)
+  alpha = jnp.exp(m_prev - m_safe)
+  l_sc[...] = jnp.broadcast_to(alpha * l_sc[:, :1] + p.sum(axis=1, keepdims=True),
+                               l_sc.shape)
+  m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+  return p, alpha
+
+
+def finish_rows(acc_sc, m_sc, l_sc, scale: float = 1.0):
+  """``(out, lse)`` of the rows: the accumulator over the row sums (times
+  ``scale``), and m + log(l); rows that saw no key give 0 and -inf."""
+  l = l_sc[:, :1]
+  nonempty = l > 0
+  safe_l = jnp.where(nonempty, l, 1.0)
+  out = acc_sc[...] / safe_l
+  if scale != 1.0:
+    out = out * scale
+  return out, jnp.where(nonempty, m_sc[:, :1] + jnp.log(safe_l), -jnp.inf)
+
+
 def scores(plan: Plan, q, k, bias):
   """Scaled, biased, soft-capped fp32 logits ``[bq, bk]`` and the tanh of the
   soft cap (for the backward's chain rule) or None."""
