@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
-from . import reference, tolerances
+from . import conformance, reference, tolerances
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -301,10 +301,7 @@ class KvCacheSuite:
           sinks=draw(st.sampled_from([0, 1])),
           seed=draw(st.integers(0, 10**6)))
 
-    # Derandomized so CI is reproducible; the examples still vary every option.
-    @settings(max_examples=caps.hypothesis_examples, deadline=None,
-              derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @conformance.derandomized(caps.hypothesis_examples)
     @given(case=cases())
     def run(case):
       if case.rotary and not case.seq_new:

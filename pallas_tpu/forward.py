@@ -48,13 +48,7 @@ def _kernel(*refs, plan: Plan, has: dict, count: bool):
   b, h, i, j = (pl.program_id(a) for a in range(4))
   jj = lo[i] + j
 
-  @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    if cnt_ref is not None:
-      cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
+  pl.when(j == 0)(lambda: tile.init_rows(m_sc, l_sc, acc_sc, cnt_ref))
 
   run = jj < hi[i]
   if seg is not None:

@@ -60,13 +60,7 @@ def _kernel(table, lo, hi, total, leftpad, q_ref, k_ref, v_ref, o_ref, lse_ref,
   b, j = pl.program_id(0), pl.program_id(2)
   del table  # used by the index maps only
 
-  @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    if cnt_ref is not None:
-      cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
+  pl.when(j == 0)(lambda: tile.init_rows(m_sc, l_sc, acc_sc, cnt_ref))
 
   @pl.when((j >= lo[b]) & (j < hi[b]))
   def _step():

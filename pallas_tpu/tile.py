@@ -31,6 +31,16 @@ def matmul(a, b, contract_lhs=1):
                              preferred_element_type=jnp.float32)
 
 
+def init_rows(m_sc, l_sc, acc_sc, cnt_ref=None):
+  """A q tile's first step: running max -inf, sum and accumulator 0 (and the
+  executed-step counter of tests, if any)."""
+  m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+  l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+  acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+  if cnt_ref is not None:
+    cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
+
+
 def online_softmax(s, m_sc, l_sc):
   """One step of the online softmax over logits ``s`` (-inf where masked), with
   the running row max and sum in the VMEM scratch ``m_sc``, ``l_sc`` (rows
