@@ -40,13 +40,13 @@ from .spec import FEATURES
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
 
-
 def derandomized(examples: int):
   """Hypothesis settings of the suites' random cases: derandomized, so CI is
   reproducible (the examples still vary every feature), no deadline, no
   example database."""
   return settings(max_examples=examples, deadline=None, derandomize=True,
                   database=None, suppress_health_check=list(HealthCheck))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Capabilities:
