@@ -75,7 +75,8 @@ def test_decode_applies_only_to_decode_shapes():
   assert triton_decode.num_splits(mk(batch=64, seq_k=8192), cfg, 132) == 1
   assert triton_decode.num_splits(mk(batch=8, seq_k=65536), cfg, 132) == 4
   assert triton_decode.num_splits(mk(batch=1, seq_k=131072), cfg, 132) == 33
-  assert triton_decode.default_config(mk(seq_q=16)).block_kv == 64
+  assert triton_decode.default_config(mk(seq_q=16)).block_kv == 32  # 64 rows
+  assert triton_decode.default_config(mk(seq_q=8)).block_kv == 64  # 32 rows
   with pytest.raises(ValueError, match="block_kv"):
     triton_decode.DecodeConfig(block_kv=48)
 

@@ -94,8 +94,16 @@ def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
   (Sq = 16: 3378 GB/s against 2813 with 128-key tiles), 3 stages ahead of 2 in the
   second sweep (B32 Sq8 Sk4k 3735 against 3149 GB/s, B64 Sq16 Sk8k 4035 against
   3657; 8 warps lost everywhere); 128-key 3-stage tiles within 2% of the best at
-  16 rows."""
-  if packed_rows(spec) > 16:
+  16 rows. At 64 rows, 32-key tiles in 4 stages read 1.1-2.1% more than 64-key
+  tiles in 3 at B32 Sk4k, B64 Sk8k, B8 Sk16k and B4 Sk64k (Sq = 16), 0.3% less
+  at B16 Sk8k, over two runs (2026-11-25,
+  docs/reports/2026-11-25-h200-decode-sq16-tiles.txt). In 3 stages they read
+  19% less at B64 Sk8k, in 6 or 8 stages 2-16% less, and at 32 rows 12% less
+  than 64-key tiles."""
+  rows = packed_rows(spec)
+  if rows > 32:
+    return DecodeConfig(block_kv=32, num_stages=4)
+  if rows > 16:
     return DecodeConfig(block_kv=64, num_stages=3)
   return DecodeConfig(block_kv=128, num_stages=3)
 

@@ -58,8 +58,9 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
-  """decode.py's tiles where the cache is contiguous, deeper pipelines where it
-  is paged, and the call's ``num_splits`` (0 = automatic, 1 = none,
+  """decode.py's tiles where the cache is contiguous (but 64-key tiles in 3
+  stages at 17-64 rows), deeper pipelines where it is paged, and the call's
+  ``num_splits`` (0 = automatic, 1 = none,
   FlashAttention's meaning). H200 sweeps on the benchmark's own caches (2026-11-24,
   bf16, GQA 32:8, D = 128; docs/reports/2026-11-24-h200-kvcache-tiles.txt), GB/s
   at B64 Sk8k / B8 Sk64k / B1 Sk128k (Sq = 1) and B32 Sk4k (Sq = 16):
@@ -88,6 +89,10 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
   elif wide and spec.paged:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6)
+  elif wide:
+    # decode.py's 32-key tiles at 64 rows lost 6% here at B8 Sk16k (2026-11-25,
+    # docs/reports/2026-11-25-h200-decode-sq16-tiles.txt).
+    cfg = td.DecodeConfig(block_kv=64, num_stages=3)
   else:
     cfg = td.default_config(spec)
   return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg),
