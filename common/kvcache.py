@@ -388,6 +388,17 @@ def key_range(total, leftpad, spec: KvCacheSpec):
   return lo, jnp.maximum(lo, hi)
 
 
+def full_key_range(total, leftpad, spec: KvCacheSpec):
+  """Per batch row, the half-open position range ``[lo, hi)`` that every query
+  sees (``lo >= hi`` when none): key tiles inside it need no mask."""
+  lo, hi = leftpad, total
+  if spec.left is not None:
+    lo = jnp.maximum(lo, total - 1 - spec.left)
+  if spec.right is not None:
+    hi = jnp.minimum(hi, total - spec.seq_q + spec.right + 1)
+  return lo, jnp.maximum(lo, hi)
+
+
 def group_queries(q, spec):
   """``[B, Sq, Hq, D]`` -> ``[B, Hkv, G * Sq, D]``: the queries of one key head
   as one matrix, row ``g * Sq + i`` (query ``i`` of head ``h * G + g``). ``spec``:

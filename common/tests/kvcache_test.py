@@ -149,6 +149,28 @@ def test_key_range_covers_exactly_the_allowed_positions():
       assert lo[b] >= hi[b]
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (4, 2), (-1, 0), (3, -1), (0, 0)])
+def test_full_key_range_is_exactly_what_every_query_sees(window):
+  seqlens = jnp.array([0, 2, 5, 17, 20, 20])
+  spec = kvcache.canonicalize(
+      jnp.zeros((6, 3, 2, 8)), jnp.zeros((6, 20, 2, 8)), jnp.zeros((6, 20, 2, 8)),
+      cache_seqlens=seqlens, window_size=window)[1]
+  total, pad = seqlens, jnp.array([0, 0, 2, 1, 12, 0])
+  lo, hi = (np.asarray(x) for x in kvcache.full_key_range(total, pad, spec))
+  pos = np.arange(20)[None, None]
+  row = np.arange(3)[None, :, None]
+  ok = np.asarray(kvcache.key_allowed(pos, row, np.asarray(total)[:, None, None],
+                                      np.asarray(pad)[:, None, None], spec))
+  for b in range(6):
+    everyone = np.nonzero(ok[b].all(0))[0]
+    if everyone.size:
+      # Contiguous: no gap inside the range.
+      assert (lo[b], hi[b]) == (everyone.min(), everyone.max() + 1)
+      assert everyone.size == hi[b] - lo[b]
+    else:
+      assert lo[b] >= hi[b]
+
+
 def _call(**over):
   q = jnp.zeros((2, 1, 4, 8))
   kw = dict(k_cache=jnp.zeros((2, 16, 2, 8)), v_cache=jnp.zeros((2, 16, 2, 8)),
