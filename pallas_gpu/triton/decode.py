@@ -14,7 +14,8 @@ parallelises over q blocks, leaves most SMs idle while it streams the cache. Her
 
 Keys are read straight from ``[B, Sk, Hkv, D]`` with no padding copy: a ragged
 last tile is read from ``Sk - block_kv`` (overlapping the previous one) and the
-keys already counted are masked out.
+keys already counted are masked out. Only tiles that the band or that ragged end
+cuts are masked (``blocking.kv_block_range``); the rest run without the mask.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...common import epilogue, hardware
+from ...common import blocking, epilogue, hardware
 from ...common import kvcache as kv
 from ...common.blocking import LN2, LOG2E
 from ...common import spec as spec_lib
@@ -77,14 +78,6 @@ def packed_rows(spec) -> int:
 def _block_kv(spec, cfg: DecodeConfig) -> int:
   # A tile must fit inside the keys: the ragged tile is read from Sk - block_kv.
   return min(cfg.block_kv, 1 << (spec.seq_k.bit_length() - 1))
-
-
-def key_blocks(spec, bk: int) -> tuple[int, int]:
-  """Tiles ``[first, last)`` that the band lets any query reach."""
-  lo, hi = spec.band.kv_bounds(0, spec.seq_q)
-  if hi <= lo:
-    return 0, 0
-  return lo // bk, -(-hi // bk)
 
 
 def default_config(spec: spec_lib.AttentionSpec) -> DecodeConfig:
@@ -140,8 +133,8 @@ def num_splits(spec, cfg: DecodeConfig, sms: int) -> int:
   least two tiles. The same sweep: B64 Sk8k (512 programs) was best unsplit, B8
   Sk64k with 4 splits (4357 GB/s; 18 gave 4162), B1 Sk128k with 33 (3675 vs 3484
   at 132)."""
-  first, last = key_blocks(spec, _block_kv(spec, cfg))
-  blocks = max(last - first, 1)
+  tiles = blocking.kv_block_range(spec.band, 0, spec.seq_q, _block_kv(spec, cfg))
+  blocks = max(int(tiles.last_end - tiles.first), 1)
   return splits_for(cfg, spec, blocks, sms)
 
 
@@ -155,27 +148,33 @@ def splits_for(cfg: DecodeConfig, spec, blocks: int, sms: int) -> int:
   return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
 
 
-def run_split(q, o_ref, lse_ref, j0, j1, tile, *, spec, rows, precision):
+def run_split(q, o_ref, lse_ref, j0, j1, tile, plain, *, spec, rows, precision):
   """One program's online softmax over key tiles ``[j0, j1)`` of its split, and
   its normalised partial output and lse (natural log, -inf if it saw no key).
-  ``tile(j) -> (k, v, ok)`` loads tile ``j`` and its ``[rows, block]`` mask; the
-  values of masked keys must already be finite (they meet p = 0 in the product).
-  Shared by this kernel and the KV-cache one (kvcache.py)."""
+  ``tile(j, masked) -> (k, v, ok)`` loads tile ``j``; with ``masked`` also its
+  ``[rows, block]`` mask, and the values of masked keys must then be finite
+  (they meet p = 0 in the product). Tiles in ``plain = (a, b)`` are ones every
+  query sees whole: they run with ``masked=False`` (``ok`` unused), so the
+  common tile does no compares or selects. Padding rows of the packed q see
+  them too; their rows are dropped. ``plain=None``: every tile is plain (one
+  loop). Shared by this kernel and the KV-cache one (kvcache.py)."""
   cap = spec.logits_soft_cap
   # With a cap the logits are scaled before tanh; without, the scale rides in the
   # exp2 argument.
   scale2 = LOG2E if cap is not None else spec.softmax_scale * LOG2E
 
-  def body(j, carry):
+  def body(masked, j, carry):
     acc, m, l = carry
-    k, v, ok = tile(j)
+    k, v, ok = tile(j, masked)
     s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
     if cap is not None:
       s = cap * jnp.tanh(s * (spec.softmax_scale / cap))
-    s = jnp.where(ok, s, -jnp.inf)
+    if masked:
+      s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     # A row with nothing allowed yet keeps m = -inf; shift by 0 so exp2 gives 0.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    # After a plain tile every row's maximum is finite.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
     p = jnp.exp2(s * scale2 - (m_safe * scale2)[:, None])
     alpha = jnp.exp2((m - m_safe) * scale2)
     l = l * alpha + p.sum(axis=1)
@@ -185,7 +184,14 @@ def run_split(q, o_ref, lse_ref, j0, j1, tile, *, spec, rows, precision):
 
   init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
           jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(j0, j1, body, init)
+  if plain is None:
+    acc, m, l = jax.lax.fori_loop(j0, j1, functools.partial(body, False), init)
+  else:
+    a = jnp.minimum(jnp.maximum(plain[0], j0), j1)
+    b = jnp.minimum(jnp.maximum(plain[1], a), j1)
+    carry = jax.lax.fori_loop(j0, a, functools.partial(body, True), init)
+    carry = jax.lax.fori_loop(a, b, functools.partial(body, False), carry)
+    acc, m, l = jax.lax.fori_loop(b, j1, functools.partial(body, True), carry)
   nonempty = l > 0
   safe_l = jnp.where(nonempty, l, 1.0)
   o_ref[...] = acc / safe_l[:, None]
@@ -194,28 +200,32 @@ def run_split(q, o_ref, lse_ref, j0, j1, tile, *, spec, rows, precision):
                            -jnp.inf)
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, first, per, last,
-            rows, precision):
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
+            precision):
   split = pl.program_id(0)
   band = spec.band
-  row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-  col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-  real = row < spec.seq_q * spec.group_size
-  diag = row % spec.seq_q + band.offset
 
-  def tile(j):
+  def tile(j, masked):
+    if not masked:
+      return k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :], None
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+    diag = row % spec.seq_q + band.offset
     start = jnp.minimum(j * bk, spec.seq_k - bk)
     pos = start + col
-    ok = real & (pos >= j * bk)
+    ok = (row < spec.seq_q * spec.group_size) & (pos >= j * bk)
     if band.right is not None:
       ok &= pos <= diag + band.right
     if band.left is not None:
       ok &= pos >= diag - band.left
     return k_ref[pl.ds(start, bk), :], v_ref[pl.ds(start, bk), :], ok
 
+  first, last = int(tiles.first), int(tiles.last_end)
+  plain = (int(tiles.first_full), int(tiles.last_full_end))
   j0 = first + split * per
   run_split(q_ref[...], o_ref, lse_ref, j0, jnp.minimum(j0 + per, last), tile,
-            spec=spec, rows=rows, precision=precision)
+            None if plain == (first, last) else plain, spec=spec, rows=rows,
+            precision=precision)
 
 
 def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
@@ -225,13 +235,16 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   hkv, g, dv = spec.heads_kv, spec.group_size, spec.head_dim_v
   rows = packed_rows(spec)
   bk = _block_kv(spec, cfg)
-  first, last = key_blocks(spec, bk)
+  # A ragged last tile (read from Sk - bk) holds keys already counted: never
+  # plain (strict_kv).
+  tiles = blocking.kv_block_range(spec.band, 0, spec.seq_q, bk)
+  first, last = int(tiles.first), int(tiles.last_end)
   per = -(-(last - first) // splits) if last > first else 0
   packed = jnp.pad(kv.group_queries(q, spec),
                    ((0, 0), (0, 0), (0, rows - g * sq), (0, 0)))
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
-  kernel = functools.partial(_kernel, spec=spec, bk=bk, first=first, per=per,
-                             last=last, rows=rows, precision=precision)
+  kernel = functools.partial(_kernel, spec=spec, bk=bk, tiles=tiles, per=per,
+                             rows=rows, precision=precision)
   in_specs = [pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
               pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
               pl.BlockSpec((None, spec.seq_k, None, dv), lambda s, i, h: (i, 0, h, 0))]
