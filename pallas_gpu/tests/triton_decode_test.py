@@ -143,7 +143,8 @@ def test_default_tiles_fit_shared_memory():
 def test_kvcache_default_tiles_are_the_tiles_that_run():
   """Pages that 64 does not divide load gathered 64-key tiles in 6 stages (the
   pipeline they were measured with on an H200; fitting keeps it); pages of 64
-  and more load each tile from one page; the default names the tile that runs."""
+  and more load each tile from one page; contiguous caches take decode.py's
+  tiles; the default names the tile that runs."""
   from flashjax.common import kvcache as kv
   from flashjax.pallas_gpu.triton import kvcache as tk
   budget = 232448 - 4096
@@ -159,7 +160,7 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
       (mk(page_size=256, seq_q=16), (64, 6, 4), False),
       (mk(page_size=256), (128, 3, 4), False),
       (mk(page_size=None, cache_rows=64), (128, 3, 4), False),
-      (mk(page_size=None, cache_rows=64, seq_q=16), (64, 3, 4), False)):
+      (mk(page_size=None, cache_rows=64, seq_q=16), (32, 4, 4), False)):
     cfg = triton_decode.fit(tk.default_config(spec), spec,
                             triton_decode.packed_rows(spec), budget)
     assert (cfg.block_kv, cfg.num_stages, cfg.num_warps) == want, (spec, cfg)

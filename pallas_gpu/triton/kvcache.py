@@ -62,8 +62,8 @@ def supported(spec: kv.KvCacheSpec) -> str | None:
 
 
 def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
-  """decode.py's tiles where the cache is contiguous (but 64-key tiles in 3
-  stages at 17-64 rows), deeper pipelines where it is paged, and the call's
+  """decode.py's tiles where the cache is contiguous, deeper pipelines where it
+  is paged, and the call's
   ``num_splits`` (0 = automatic, 1 = none,
   FlashAttention's meaning). H200 sweeps on the benchmark's own caches (2026-11-24,
   bf16, GQA 32:8, D = 128; docs/reports/2026-11-24-h200-kvcache-tiles.txt), GB/s
@@ -81,8 +81,11 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
   - pages of 64: 6 stages 4240 / 4180 / 3693 over 2 warps (3 stages over 4:
     3234 / 3739 / 3342), 3535 over 4 warps at Sq = 16 (3132);
   - pages of 256 at Sq = 16: 64-key tiles in 6 stages 3466 (2 stages: 3112);
-  - contiguous at Sq = 16: 64-key tiles in 3 stages 3471 (2 stages: 3153, 6
-    stages: 3095; docs/reports/2026-11-24-h200-segment-ids-overhead.txt).
+  - contiguous at Sq = 16: decode.py's 32-key tiles in 4 stages, once plain
+    tiles had dropped the mask, read 0.6-1.8% more than 64-key tiles in 3 at
+    B32 Sk4k, B64 Sk8k, B16 Sk8k and B8 Sk16k (2026-11-25,
+    docs/reports/2026-11-25-h200-decode-plain-tiles.txt); with the mask they
+    had lost 6% at B8 Sk16k. 64-key tiles in 4 or 6 stages lost 1-8%.
 
   ``block_kv`` is the tile that runs, so :func:`td.fit` sizes the stages for
   it."""
@@ -93,10 +96,6 @@ def default_config(spec: kv.KvCacheSpec) -> td.DecodeConfig:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6, num_warps=4 if wide else 2)
   elif wide and spec.paged:
     cfg = td.DecodeConfig(block_kv=64, num_stages=6)
-  elif wide:
-    # decode.py's 32-key tiles at 64 rows lost 6% here at B8 Sk16k (2026-11-25,
-    # docs/reports/2026-11-25-h200-decode-sq16-tiles.txt).
-    cfg = td.DecodeConfig(block_kv=64, num_stages=3)
   else:
     cfg = td.default_config(spec)
   return dataclasses.replace(cfg, block_kv=_block_kv(spec, cfg),
