@@ -49,6 +49,14 @@ def _parser():
                  help="ring mode: sequence length S split over every device "
                  "present; ring attention vs the partitioned call (Auto axis) vs "
                  "all-gather vs one device (benchmarks/ring.py), then exit")
+  p.add_argument("--ring-shape", default="1,8,64", metavar="B,H,D",
+                 help="ring mode: batch, heads and head dim (default 1,8,64)")
+  p.add_argument("--ring-masks", default="full,causal",
+                 help="ring mode: comma-separated, of full and causal")
+  p.add_argument("--ring-modes", help="ring mode: comma-separated name prefixes "
+                 "of the modes to run (ring, partitioned, all-gather; default all)")
+  p.add_argument("--ring-platform", help="ring mode: the flashjax platform "
+                 "(default: the backend's)")
   p.add_argument("--quick", action="store_true",
                  help="small set for a smoke run (under 2 minutes on 2 CPU cores)")
   p.add_argument("--out", help="output folder (default ./flashjax-bench/<time>, "
@@ -84,9 +92,21 @@ def ring_mode(args, on_cpu: bool) -> int:
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   env = report.environment()
   print(f"device: {env['device']} x {jax.device_count()}, jax {env['jax']}, "
-        f"{env['date']}, dtype {dtype.name}", flush=True)
-  rows = ring.run(args.ring, dtype=dtype, iters=args.iters or (2 if on_cpu else 20),
-                  repeats=args.repeats or (3 if on_cpu else 5))
+        f"{env['date']}, dtype {dtype.name}, B,H,D {args.ring_shape}", flush=True)
+  try:
+    batch, heads, head_dim = (int(x) for x in args.ring_shape.split(","))
+  except ValueError:
+    raise SystemExit(f"--ring-shape takes B,H,D (three ints), got "
+                     f"{args.ring_shape!r}") from None
+  masks = args.ring_masks.split(",")
+  if not masks or set(masks) - {"full", "causal"}:
+    raise SystemExit(f"--ring-masks takes full and causal, got {args.ring_masks!r}")
+  rows = ring.run(args.ring, dtype=dtype, batch=batch, heads=heads,
+                  head_dim=head_dim, causal_flags=[m == "causal" for m in masks],
+                  iters=args.iters or (2 if on_cpu else 20),
+                  repeats=args.repeats or (3 if on_cpu else 5),
+                  platform=args.ring_platform,
+                  only=args.ring_modes.split(",") if args.ring_modes else None)
   print(ring.table(rows))
   return 1 if any(r.error for r in rows) else 0
 

@@ -166,6 +166,20 @@ def test_ring_mode_smoke(capsys):
     assert float(line.split("|")[-2]) < 1e-4, line  # max diff from one device
 
 
+def test_ring_mode_shape_masks_and_modes(capsys):
+  assert cli.main(["--ring", "32", "--ring-shape", "2,2,16", "--ring-masks", "causal",
+                   "--ring-modes", "all-gather", "--iters", "1", "--repeats", "1"]) == 0
+  text = capsys.readouterr().out
+  assert "B,H,D 2,2,16" in text
+  rows = [x for x in text.splitlines() if x.startswith("| ") and "| 32 |" in x]
+  assert [r.split("|")[1].strip() for r in rows] == ["all-gather", "one device"]
+  # One device: the ideal is the one-device time itself.
+  assert rows[1].split("|")[6].strip() == "100%"
+  for bad in (["--ring-shape", "2,2"], ["--ring-masks", "diagonal"]):
+    with pytest.raises(SystemExit, match="--ring-"):
+      cli.main(["--ring", "32", *bad])
+
+
 def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
   """The packed sets' rule at tiny size (mixed lengths, causal): every variant is
   checked against the reference with segment ids, then timed."""
