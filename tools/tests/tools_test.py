@@ -161,3 +161,19 @@ def test_cpu_step_loop_is_an_online_softmax_and_measure_reports_each_tile():
   got = c.measure(((8, 4), (4, 8)), rounds=2, steps=2, heads=1, head_dim=4)
   assert set(got) == {(8, 4), (4, 8)}
   assert all(0 < mn <= med for mn, med in got.values())
+
+
+def test_ring_profile_splits_transfers_into_hidden_and_exposed():
+  from tools import ring_profile
+  events = [("ncclDevKernel_SendRecv", 0.0, 100.0),   # 40 us beside kernel a
+            ("entry_mosaic_gpu_kernel", 60.0, 100.0),  # a: 60-160
+            ("memcpy128", 150.0, 30.0),                # 150-180, overlaps a
+            ("ncclDevKernel_SendRecv", 200.0, 50.0)]   # alone
+  o = ring_profile.overlap(events, n=2)
+  assert o["span"] == pytest.approx(125.0)
+  assert o["compute"] == pytest.approx(60.0)   # union 60-180, per call
+  assert o["comm"] == pytest.approx(75.0)
+  assert o["hidden"] == pytest.approx(20.0)
+  assert o["exposed"] == pytest.approx(55.0)
+  assert ring_profile.intersect([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
+  assert not ring_profile.is_comm("entry_mosaic_gpu_kernel")

@@ -1,0 +1,148 @@
+"""Does each ring hop's transfer hide under the previous hop's kernels?
+
+  python -m tools.ring_profile S [B,H,D] [LAYOUT] [N]
+
+Runs the causal ring (``ring_attention`` in ``shard_map`` over every device,
+LAYOUT zigzag by default, bf16) forward and forward+backward N times (default 5)
+under ``jax.profiler`` and reads the trace's device events per GPU. Collective
+kernels (NCCL's, by name) are the communication, every other kernel the compute.
+Per device and call it prints the span from the first kernel to the last, the
+compute and communication busy times (unions of intervals: streams overlap),
+the communication that ran while a compute kernel ran, and the exposed
+communication (the rest). Then the first call's events of device 0 in time
+order, to see where each transfer sits. XLA flags (``XLA_FLAGS``) change the
+schedule, so run it under each setting to compare.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+
+def is_comm(name: str) -> bool:
+  low = name.lower()
+  return "nccl" in low or "sendrecv" in low or "collective" in low
+
+
+def events_by_device(trace_dir: str):
+  """``{device name: [(name, ts_us, dur_us)]}`` of the GPU streams' complete events."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                          recursive=True))[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  out = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
+      out[names[e["pid"]]].append((e["name"], e["ts"], e.get("dur", 0)))
+  return {k: sorted(v, key=lambda e: e[1]) for k, v in out.items()}
+
+
+def union(intervals):
+  """Sorted disjoint ``[(start, end)]`` covering ``intervals``."""
+  merged = []
+  for s, e in sorted(intervals):
+    if merged and s <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], e)
+    else:
+      merged.append([s, e])
+  return [tuple(x) for x in merged]
+
+
+def length(intervals) -> float:
+  return sum(e - s for s, e in intervals)
+
+
+def intersect(a, b):
+  """Intersection of two sorted disjoint interval lists."""
+  out, i, j = [], 0, 0
+  while i < len(a) and j < len(b):
+    s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+    if s < e:
+      out.append((s, e))
+    if a[i][1] < b[j][1]:
+      i += 1
+    else:
+      j += 1
+  return out
+
+
+def overlap(events, n: int = 1) -> dict:
+  """Per-call span, compute and communication busy time, and how much of the
+  communication ran beside compute (us), from one device's events."""
+  comm = union((ts, ts + d) for name, ts, d in events if is_comm(name))
+  comp = union((ts, ts + d) for name, ts, d in events if not is_comm(name))
+  both = intersect(comm, comp)
+  start = min(ts for _, ts, _ in events)
+  end = max(ts + d for _, ts, d in events)
+  return {"span": (end - start) / n, "compute": length(comp) / n,
+          "comm": length(comm) / n, "hidden": length(both) / n,
+          "exposed": (length(comm) - length(both)) / n}
+
+
+def main(argv):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import flashjax
+
+  seq = int(argv[0])
+  batch, heads, head_dim = (int(x) for x in (argv[1] if len(argv) > 1
+                                             else "1,16,128").split(","))
+  layout = argv[2] if len(argv) > 2 else "zigzag"
+  n_calls = int(argv[3]) if len(argv) > 3 else 5
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ("seq",))
+  sh = NamedSharding(mesh, P(None, "seq"))
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.device_put(jax.random.normal(
+      x, (batch, seq, heads, head_dim), jnp.bfloat16), sh) for x in ks)
+  attend = jax.shard_map(
+      lambda q, k, v: flashjax.ring_attention(q, k, v, axis_name="seq",
+                                              layout=layout, causal=True),
+      mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"),
+      check_vma=False)
+  fwd = jax.jit(attend)
+  step = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(
+      attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
+  print(f"{len(devices)} x {devices[0].device_kind}, S {seq}, B,H,D {batch},{heads},"
+        f"{head_dim}, {layout}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  for label, f, args in (("fwd", fwd, (q, k, v)), ("fwd+bwd", step, (q, k, v, do))):
+    for _ in range(2):
+      jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as d:
+      with jax.profiler.trace(d):
+        for _ in range(n_calls):
+          jax.block_until_ready(f(*args))
+      per_device = events_by_device(d)
+    if not per_device:
+      print(f"{label}: no GPU events in the trace")
+      continue
+    for dev, events in sorted(per_device.items()):
+      o = overlap(events, n_calls)
+      print(f"{label:8s} {dev[:28]:28s} span {o['span']:9.1f} us  compute "
+            f"{o['compute']:9.1f}  comm {o['comm']:8.1f}  hidden {o['hidden']:8.1f}  "
+            f"exposed {o['exposed']:8.1f}")
+    first = sorted(per_device)[0]
+    events = per_device[first]
+    # One call's events: the calls ran one after another, so the first 1/n of
+    # the events by count is close enough to see the order.
+    print(f"  {label} on {first}, first call's events (start us, dur us, kind):")
+    t0 = events[0][1]
+    for name, ts, d in events[:max(1, len(events) // n_calls)]:
+      print(f"    {ts - t0:9.1f} {d:8.1f} {'COMM' if is_comm(name) else '    '} "
+            f"{name[:80]}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
