@@ -20,7 +20,7 @@ from flashjax.pallas_gpu.triton import pallas_triton
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine); "
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU; "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
   CAPS = conformance.Capabilities.of(mosaic.CAPABILITIES, name="pallas-mosaic-gpu",
@@ -357,7 +357,7 @@ def test_backward_kernel_choice():
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(sliding_window=(100, 20)),
                                 dict(seq_k=333, logits_soft_cap=20.0)], ids=str)
 def test_one_launch_backward_equals_two_launches(kw):
@@ -447,7 +447,7 @@ def test_autotune_candidates_are_valid_per_head_dim():
     assert bool(mosaic_autotune.backward_candidates(s, base)) == (d <= 128)
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 def test_autotune_on_gpu(tmp_path, monkeypatch):
   """FLASHJAX_AUTOTUNE=1: the first call of a shape class times the real
   candidates on the device and caches a valid winner; the tuned call matches the
@@ -468,7 +468,7 @@ def test_autotune_on_gpu(tmp_path, monkeypatch):
   tolerances.assert_close(out, ref, tolerances.forward("bfloat16"))
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the lent GPU machine)")
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kw", [
     dict(), dict(seq_k=2000, logits_soft_cap=20.0, heads_kv=4),
     dict(seq_q=2000, sinks=True, dtype="float16"), dict(head_dim=64, seq_k=3000),

@@ -49,7 +49,7 @@ class TestPallasTritonInterpretSmallTiles(conformance.ConformanceSuite):
                                          **kwargs)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 class TestPallasTritonGpu(conformance.ConformanceSuite):
   # fp32 runs IEEE products by default, so the fp32 tolerance stands.
   CAPS = conformance.Capabilities.of(pallas_triton.CAPABILITIES,
@@ -96,7 +96,7 @@ FOLDED_CASES = {
 }
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("name", sorted(FOLDED_CASES))
 def test_folded_causal_forward_on_gpu(name):
   _FoldedLongTiles().check(FOLDED_CASES[name])
@@ -288,7 +288,7 @@ SPLIT_GPU_CASES = {
 }
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("name", sorted(SPLIT_GPU_CASES))
 def test_split_tail_forward_on_gpu(name):
   from flashjax.common import hardware
@@ -473,7 +473,7 @@ WIDE_CASES = {
 }
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("name", sorted(WIDE_CASES))
 def test_wide_head_backward_tiles_on_gpu(name):
   TestPallasTritonGpu().check(WIDE_CASES[name])
@@ -545,7 +545,7 @@ class TestPallasTritonKvCacheInterpret(conformance_kvcache.KvCacheSuite):
                                            **kwargs)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("platform", ["pallas", "pallas-triton"])
 class TestPallasKvCacheGpu(conformance_kvcache.KvCacheSuite):
   KV_CAPS = conformance_kvcache.KvCapabilities(name="pallas[kvcache,gpu]")

@@ -24,7 +24,7 @@ ON_GPU = jax.default_backend() == "gpu"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 class TestTritonGpu(conformance.ConformanceSuite):
   CAPS = conformance.Capabilities.of(triton_gpu.CAPABILITIES, name="triton[gpu]")
 
@@ -224,7 +224,7 @@ def test_autotune_picks_the_fastest_caches_it_and_shares_the_file(tmp_path, monk
   assert resolve(other) == triton_gpu.default_config(other)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (runs on the lent GPU machine)")
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 class TestTritonKvCacheGpu(conformance_kvcache.KvCacheSuite):
   """No Triton KV-cache kernel yet: the entry runs the xla path (logged once)."""
 
