@@ -98,6 +98,11 @@ def ring_mode(args, on_cpu: bool) -> int:
   except ValueError:
     raise SystemExit(f"--ring-shape takes B,H,D (three ints), got "
                      f"{args.ring_shape!r}") from None
+  only = args.ring_modes.split(",") if args.ring_modes else None
+  try:
+    ring.check_modes(only)
+  except ValueError as e:
+    raise SystemExit(f"--ring-modes: {e}") from None
   masks = args.ring_masks.split(",")
   if not masks or set(masks) - {"full", "causal"}:
     raise SystemExit(f"--ring-masks takes full and causal, got {args.ring_masks!r}")
@@ -106,7 +111,7 @@ def ring_mode(args, on_cpu: bool) -> int:
                   iters=args.iters or (2 if on_cpu else 20),
                   repeats=args.repeats or (3 if on_cpu else 5),
                   platform=args.ring_platform,
-                  only=args.ring_modes.split(",") if args.ring_modes else None)
+                  only=only)
   print(ring.table(rows))
   return 1 if any(r.error for r in rows) else 0
 

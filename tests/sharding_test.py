@@ -1,8 +1,10 @@
 """Inputs sharded over batch and heads on 4 CPU devices: each device computes its
 shard (no all-gather in the compiled HLO), forward and backward, and the result
 equals the unsharded reference. Covers the XLA platform and a kernel platform
-(Pallas-Triton in interpret mode), both split by common/partition.py. Runs in a
-subprocess because the device count must be set before JAX starts."""
+(Pallas-Triton in interpret mode), both split by common/partition.py. These run in
+a subprocess because the device count must be set before JAX starts. On a host
+with several GPUs, ``test_data_parallel_on_gpus`` runs the GPU platforms so, in
+this process."""
 
 import os
 import subprocess

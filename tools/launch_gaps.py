@@ -28,18 +28,26 @@ import tempfile
 import time
 
 
-def device_events(trace_dir: str):
-  """``[(name, ts_us, dur_us)]`` of the GPU streams' complete events."""
+def events_by_device(trace_dir: str):
+  """``{device name: [(name, ts_us, dur_us)]}`` of the GPU streams' complete
+  events in the trace under ``trace_dir``, each list in time order."""
   path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                           recursive=True))[-1]
   with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"]
-  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and
-              e.get("name") == "process_name" and
-              "GPU" in str(e.get("args", {}).get("name", ""))}
-  return sorted(((e["name"], e["ts"], e.get("dur", 0)) for e in events
-                 if e.get("ph") == "X" and e.get("pid") in gpu_pids), key=lambda e: e[1])
+    events = json.load(f)["traceEvents"]
+  names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  out = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
+      out[names[e["pid"]]].append((e["name"], e["ts"], e.get("dur", 0)))
+  return {k: sorted(v, key=lambda e: e[1]) for k, v in out.items()}
+
+
+def device_events(trace_dir: str):
+  """``[(name, ts_us, dur_us)]`` of every GPU's streams, in time order."""
+  return sorted((e for events in events_by_device(trace_dir).values()
+                 for e in events), key=lambda e: e[1])
 
 
 def summarize(events, n: int):

@@ -6,7 +6,8 @@ Runs the causal ring (``ring_attention`` in ``shard_map`` over every device,
 LAYOUT zigzag by default, bf16) forward and forward+backward N times (default 5)
 under ``jax.profiler`` and reads the trace's device events per GPU. Collective
 kernels (NCCL's, by name) are the communication, every other kernel the compute.
-Per device and call it prints the span from the first kernel to the last, the
+The N calls run back to back (one wait at the end). Per device and call it
+prints the span (first kernel's start to last kernel's end, over N), the
 compute and communication busy times (unions of intervals: streams overlap),
 the communication that ran while a compute kernel ran, and the exposed
 communication (the rest). Then the first call's events of device 0 in time
@@ -16,33 +17,16 @@ schedule, so run it under each setting to compare.
 
 from __future__ import annotations
 
-import collections
-import glob
-import gzip
-import json
 import os
 import sys
 import tempfile
+
+from tools.launch_gaps import events_by_device
 
 
 def is_comm(name: str) -> bool:
   low = name.lower()
   return "nccl" in low or "sendrecv" in low or "collective" in low
-
-
-def events_by_device(trace_dir: str):
-  """``{device name: [(name, ts_us, dur_us)]}`` of the GPU streams' complete events."""
-  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                          recursive=True))[-1]
-  with gzip.open(path) as f:
-    events = json.load(f)["traceEvents"]
-  names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  out = collections.defaultdict(list)
-  for e in events:
-    if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
-      out[names[e["pid"]]].append((e["name"], e["ts"], e.get("dur", 0)))
-  return {k: sorted(v, key=lambda e: e[1]) for k, v in out.items()}
 
 
 def union(intervals):
@@ -121,8 +105,9 @@ def main(argv):
       jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as d:
       with jax.profiler.trace(d):
-        for _ in range(n_calls):
-          jax.block_until_ready(f(*args))
+        for _ in range(n_calls):  # back to back, as a training loop runs them
+          out = f(*args)
+        jax.block_until_ready(out)
       per_device = events_by_device(d)
     if not per_device:
       print(f"{label}: no GPU events in the trace")

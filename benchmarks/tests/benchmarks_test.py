@@ -175,9 +175,25 @@ def test_ring_mode_shape_masks_and_modes(capsys):
   assert [r.split("|")[1].strip() for r in rows] == ["all-gather", "one device"]
   # One device: the ideal is the one-device time itself.
   assert rows[1].split("|")[6].strip() == "100%"
-  for bad in (["--ring-shape", "2,2"], ["--ring-masks", "diagonal"]):
+  for bad in (["--ring-shape", "2,2"], ["--ring-masks", "diagonal"],
+              ["--ring-modes", "ring,allgather"]):
     with pytest.raises(SystemExit, match="--ring-"):
       cli.main(["--ring", "32", *bad])
+
+
+def test_ring_table_sets_each_row_against_one_device_over_its_count():
+  from flashjax.benchmarks import ring
+  rows = [ring.RingRow("ring (zigzag)", 64, 4, True, 2.0, 10.0, 1.0,
+                       ideal_fwd_ms=1.5, ideal_fwd_bwd_ms=6.0),
+          ring.RingRow("one device", 64, 1, True, 6.0, 24.0, 1.0,
+                       ideal_fwd_ms=6.0, ideal_fwd_bwd_ms=24.0),
+          ring.RingRow("all-gather", 64, 4, True, None, None, None, error="boom",
+                       ideal_fwd_ms=1.5, ideal_fwd_bwd_ms=6.0)]
+  cells = [[c.strip() for c in line.split("|")[1:-1]]
+           for line in ring.table(rows).splitlines()[2:]]
+  assert cells[0][5] == "75%" and cells[0][7] == "60%"   # 1.5 / 2.0, 6 / 10
+  assert cells[1][5] == cells[1][7] == "100%"
+  assert cells[2][4:8] == ["-"] * 4
 
 
 def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
