@@ -104,7 +104,7 @@ def ring_mode(args, on_cpu: bool) -> int:
   except ValueError as e:
     raise SystemExit(f"--ring-modes: {e}") from None
   masks = args.ring_masks.split(",")
-  if not masks or set(masks) - {"full", "causal"}:
+  if set(masks) - {"full", "causal"}:
     raise SystemExit(f"--ring-masks takes full and causal, got {args.ring_masks!r}")
   rows = ring.run(args.ring, dtype=dtype, batch=batch, heads=heads,
                   head_dim=head_dim, causal_flags=[m == "causal" for m in masks],

@@ -50,6 +50,21 @@ def device_events(trace_dir: str):
                  for e in events), key=lambda e: e[1])
 
 
+def union(intervals):
+  """Sorted disjoint ``[(start, end)]`` covering ``intervals``."""
+  merged = []
+  for s, e in sorted(intervals):
+    if merged and s <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], e)
+    else:
+      merged.append([s, e])
+  return [tuple(x) for x in merged]
+
+
+def length(intervals) -> float:
+  return sum(e - s for s, e in intervals)
+
+
 def summarize(events, n: int):
   """Span, busy and idle time per call (us) and per-kernel totals per call."""
   if not events:
@@ -57,14 +72,7 @@ def summarize(events, n: int):
   start = min(ts for _, ts, _ in events)
   end = max(ts + dur for _, ts, dur in events)
   # Busy time as the union of intervals (streams may overlap).
-  busy, cur_s, cur_e = 0.0, None, None
-  for _, ts, dur in sorted(events, key=lambda e: e[1]):
-    if cur_e is None or ts > cur_e:
-      busy += 0 if cur_e is None else cur_e - cur_s
-      cur_s, cur_e = ts, ts + dur
-    else:
-      cur_e = max(cur_e, ts + dur)
-  busy += cur_e - cur_s
+  busy = length(union((ts, ts + dur) for _, ts, dur in events))
   kernels = collections.defaultdict(float)
   for name, _, dur in events:
     kernels[name] += dur / n

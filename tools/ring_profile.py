@@ -21,27 +21,12 @@ import os
 import sys
 import tempfile
 
-from tools.launch_gaps import events_by_device
+from tools.launch_gaps import events_by_device, length, union
 
 
 def is_comm(name: str) -> bool:
   low = name.lower()
   return "nccl" in low or "sendrecv" in low or "collective" in low
-
-
-def union(intervals):
-  """Sorted disjoint ``[(start, end)]`` covering ``intervals``."""
-  merged = []
-  for s, e in sorted(intervals):
-    if merged and s <= merged[-1][1]:
-      merged[-1][1] = max(merged[-1][1], e)
-    else:
-      merged.append([s, e])
-  return [tuple(x) for x in merged]
-
-
-def length(intervals) -> float:
-  return sum(e - s for s, e in intervals)
 
 
 def intersect(a, b):
