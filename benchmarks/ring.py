@@ -2,8 +2,7 @@
 every device present, side by side in one process:
 
 - ``ring (contiguous)`` and, when causal, ``ring (zigzag)``: ``ring_attention``
-  in ``shard_map`` (on GPUs the causal contiguous ring runs only when asked
-  for: ``_wanted``);
+  in ``shard_map``;
 - ``partitioned``: ``flash_attention`` under ``jit`` on inputs split along an
   Auto mesh axis (the platforms' partitioner runs the ring, zigzag when causal:
   common/partition.py);
@@ -92,17 +91,9 @@ def check_modes(only):
       raise ValueError(f"ring modes are {', '.join(MODES)}; {word!r} names none")
 
 
-def _wanted(name, causal, only):
-  """Whether mode ``name`` runs. By default every mode but the causal contiguous
-  ring on GPUs: compiling it crashed XLA's GPU compiler (segmentation fault) on
-  two H200s with jax 0.11.2 (2026-11-25), which would end the whole run; name it
-  in ``only`` to run it anyway."""
-  if name == "one device":
-    return True
-  if only is None:
-    return not (causal and name == "ring (contiguous)" and
-                jax.default_backend() == "gpu")
-  return any(name.startswith(w) for w in only)
+def _wanted(name, only):
+  """Whether mode ``name`` runs: every mode by default, else those named."""
+  return name == "one device" or only is None or any(name.startswith(w) for w in only)
 
 
 def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
@@ -122,7 +113,7 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
   rows = []
   for causal in causal_flags:
     modes = {name: m for name, m in _modes(mesh, n, seq, causal, platform).items()
-             if _wanted(name, causal, only)}
+             if _wanted(name, only)}
     calls, inputs = {}, {}
     for name, (attend, zigzag) in modes.items():
       if name == "one device":

@@ -5,19 +5,25 @@ rows; key/value blocks (with their segment ids) travel one device onwards per ho
 by ``ppermute``, so that after ``n`` hops every query block has met every key
 block. The forward merges the hops' ``(out, lse)`` exactly in fp32 through the
 lse; the backward re-runs the hops with the final out and lse (the softmax of the
-whole row), and the dK/dV accumulators travel with K/V, arriving home after the
-last hop. Each hop issues the next hop's ``ppermute`` before its own kernel, so
-XLA may overlap communication with compute.
+whole row), and the dK/dV accumulators travel one hop behind their K/V block,
+arriving home beside the last hop, which is the device's own block. Each hop
+sends one message (``Packet``: what
+travels, bitcast into one buffer) before its own kernels run, so that the
+transfer can run beside them: XLA's GPU scheduler keeps one collective-permute
+in flight at a time, and ran a second one of the same hop synchronously
+(2026-11-26, jax 0.11.2, two H200s: V's transfer waited 130 us before any
+kernel while K's ran beside the kernels).
 
 Layouts (``LAYOUTS``): "contiguous", device ``r`` holds rows ``[r c, (r + 1) c)``;
 "zigzag", the sequence in ``2n`` chunks, device ``r`` holding chunks ``r`` and
 ``2n - 1 - r`` (``zigzag_order``), which gives every device the same causal work.
 A device's rows are cut into its chunks (one or two); each hop runs the platform's
-kernel on every (q chunk, kv chunk) pair, with the pair's band in its own
-coordinates (``Band.sub_block``). That band depends on the device, a traced
-value, so the distinct static bands of a pair (over all hops and devices) are the
-branches of a ``lax.switch`` indexed by a table ``[hop, device]``; a pair the band
-cannot reach takes a branch that does nothing.
+kernel on the calls of ``RingPlan.hop_calls``: (q chunk, kv chunk) pairs, joined
+into one call where one band fits them, each band in the call's own coordinates
+(``Band.sub_block``). The calls depend on the device, a traced value, so the
+distinct call lists (over all hops and devices) are the branches of a
+``lax.switch`` indexed by a table ``[hop, device]``; a device whose band
+reaches nothing takes a branch that does nothing.
 
 Sinks join the denominator once, after the merge; the dropout keep-mask hashes
 global positions (``dropout.position_seed``), so it is the unsplit call's.
@@ -153,6 +159,59 @@ class RingPlan:
                           for r in range(self.num_shards))]
             for hop in hops]
 
+  def hop_calls(self, device: int, hop: int, len_q: int, len_k: int,
+                positions: bool = False):
+    """The kernel calls of ``device`` at ``hop``: a tuple of ``(rows, keys,
+    band)``, ``rows`` a range ``(start, stop)`` of its q chunks, ``keys`` a range
+    of the kv chunks it holds, ``band`` in the call's own coordinates; None when
+    the band reaches no key.
+
+    Adjacent chunks share a call where one band over them gives every chunk pair
+    exactly the pair's own band. In the zigzag layout, without dropout, every
+    hop of a causal ring is one call: the own block a causal band over both
+    chunks, any other block both rows against its first chunk or the last rows
+    against both chunks. One larger call runs faster than its pairs, and needs no
+    merge between them.
+    ``positions``: a call's chunks must also be adjacent in the whole sequence
+    (the dropout hash takes a call's first row and key as its offsets).
+    """
+    nc = self.num_chunks
+    offsets = lambda a, b: self.offsets(device, hop, a, b, len_q, len_k)
+    pair = {(a, b): self.band.sub_block(offsets(a, b)[0], len_q, offsets(a, b)[1],
+                                         len_k)
+            for a in range(nc) for b in range(nc)}
+    invalid = object()
+
+    def call(rows, keys):
+      (a0, a1), (b0, b1) = rows, keys
+      q0, k0 = offsets(a0, b0)
+      if positions and (
+          any(offsets(a + 1, b0)[0] != offsets(a, b0)[0] + len_q
+              for a in range(a0, a1 - 1)) or
+          any(offsets(a0, b + 1)[1] != offsets(a0, b)[1] + len_k
+              for b in range(b0, b1 - 1))):
+        return invalid
+      band = self.band.sub_block(q0, (a1 - a0) * len_q, k0, (b1 - b0) * len_k)
+      for a in range(a0, a1):
+        for b in range(b0, b1):
+          got = None if band is None else band.sub_block(
+              (a - a0) * len_q, len_q, (b - b0) * len_k, len_k)
+          if got != pair[a, b]:
+            return invalid
+      return band
+
+    whole, one = (0, nc), [(i, i + 1) for i in range(nc)]
+    best = None
+    for rects in ([(whole, whole)], [(r, whole) for r in one],
+                  [(whole, k) for k in one], [(r, k) for r in one for k in one]):
+      bands = [call(*rect) for rect in rects]
+      if any(b is invalid for b in bands):
+        continue
+      calls = tuple((r, k, b) for (r, k), b in zip(rects, bands) if b is not None)
+      if best is None or len(calls) < len(best):
+        best = calls
+    return best or None
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedKernel:
@@ -169,6 +228,52 @@ class FixedKernel:
     return self.forward, self.backward, self.config
 
 
+@dataclasses.dataclass(frozen=True)
+class Packet:
+  """Arrays of mixed dtypes as one flat buffer, so that one ``ppermute`` moves
+  them all. The buffer's unit is the unsigned int of the smallest item size;
+  wider items become several units (``bitcast_convert_type``).
+
+  Attributes:
+    shapes, dtypes: of the arrays, in order.
+  """
+
+  shapes: tuple
+  dtypes: tuple
+
+  @classmethod
+  def of(cls, arrays):
+    return cls(tuple(x.shape for x in arrays), tuple(jnp.dtype(x.dtype) for x in arrays))
+
+  @property
+  def unit(self):
+    return jnp.dtype(f"uint{8 * min(d.itemsize for d in self.dtypes)}")
+
+  def _ratio(self, dtype) -> int:
+    return dtype.itemsize // self.unit.itemsize
+
+  def pack(self, arrays) -> jax.Array:
+    flat = []
+    for x, dtype in zip(arrays, self.dtypes):
+      x = x.astype(jnp.uint8 if dtype == jnp.bool_ else dtype)  # bools don't bitcast
+      flat.append(jax.lax.bitcast_convert_type(x, self.unit).reshape(-1))
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+
+  def unpack(self, buf) -> list:
+    out, at = [], 0
+    for shape, dtype in zip(self.shapes, self.dtypes):
+      r = self._ratio(dtype)
+      size = int(np.prod(shape, dtype=np.int64)) * r
+      y = jax.lax.slice_in_dim(buf, at, at + size).reshape(
+          shape + ((r,) if r > 1 else ()))
+      if dtype == jnp.bool_:
+        out.append(jax.lax.bitcast_convert_type(y, jnp.uint8).astype(dtype))
+      else:
+        out.append(jax.lax.bitcast_convert_type(y, dtype))
+      at += size
+    return out
+
+
 def check_local_shapes(plan: RingPlan, spec: AttentionSpec):
   """The local sequence lengths must split into the layout's chunks."""
   for name, s in (("q", spec.seq_q), ("k", spec.seq_k)):
@@ -178,8 +283,8 @@ def check_local_shapes(plan: RingPlan, spec: AttentionSpec):
 
 
 def hop_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
-  """The spec of one (q chunk, kv chunk) kernel call: chunk sizes, the pair's
-  band, the bias/mask block's shape, no sinks (added once after the merge)."""
+  """The spec of one kernel call of a hop (``RingPlan.hop_calls``): its sizes
+  and band, the bias/mask block's shape, no sinks (added once after the merge)."""
   def block(shape):
     if shape is None:
       return None
@@ -202,10 +307,11 @@ def band_switch(bands, index, run, empty, *args):
   """``run(band, *args)`` with the static band ``bands[index]``, or
   ``empty(*args)`` where that band is None (the block reaches no key).
 
-  ``bands`` is a nested list of bands (over devices, or over hops and devices)
-  and ``index`` (traced: it holds the device's position) picks one entry, an int
-  or a tuple of one per level. The distinct bands, in the order they first
-  appear, are the branches of a ``lax.switch``; one branch is called directly.
+  ``bands`` is a nested list of bands, or of any hashable static entries such as
+  a hop's calls (over devices, or over hops and devices), and ``index`` (traced:
+  it holds the device's position) picks one entry, an int or a tuple of one per
+  level. The distinct entries, in the order they first appear, are the branches
+  of a ``lax.switch``; one branch is called directly.
   """
   distinct = []
 
@@ -225,22 +331,26 @@ def band_switch(bands, index, run, empty, *args):
 
 
 class _Ring:
-  """Index helpers of one device's view of the ring."""
+  """Index helpers of one device's view of the ring. A call's ``rows`` and
+  ``keys`` are chunk ranges ``(start, stop)`` (``RingPlan.hop_calls``)."""
 
-  def __init__(self, plan: RingPlan, spec: AttentionSpec):
-    self.plan, self.spec = plan, spec
+  def __init__(self, plan: RingPlan, spec: AttentionSpec, positions: bool):
+    self.plan, self.spec, self.positions = plan, spec, positions
     self.n = plan.num_shards
     self.r = jax.lax.axis_index(plan.axis_name)
     self.cq = spec.seq_q // plan.num_chunks
     self.ck = spec.seq_k // plan.num_chunks
-    self.pairs = [(a, b) for a in range(plan.num_chunks)
-                  for b in range(plan.num_chunks)]
+    self.all = (0, plan.num_chunks)
 
-  def q_rows(self, x, a, axis=1):
-    return jax.lax.slice_in_dim(x, a * self.cq, (a + 1) * self.cq, axis=axis)
+  def q_rows(self, x, rows, axis=1):
+    if x is None or rows == self.all:
+      return x
+    return jax.lax.slice_in_dim(x, rows[0] * self.cq, rows[1] * self.cq, axis=axis)
 
-  def kv_rows(self, x, b, axis=1):
-    return jax.lax.slice_in_dim(x, b * self.ck, (b + 1) * self.ck, axis=axis)
+  def kv_rows(self, x, keys, axis=1):
+    if x is None or keys == self.all:
+      return x
+    return jax.lax.slice_in_dim(x, keys[0] * self.ck, keys[1] * self.ck, axis=axis)
 
   def rotate(self, x):
     """``x`` of device ``r`` moved to device ``r + 1``."""
@@ -249,41 +359,78 @@ class _Ring:
     perm = [(i, (i + 1) % self.n) for i in range(self.n)]
     return jax.lax.ppermute(x, self.plan.axis_name, perm)
 
-  def key_start(self, hop, b):
-    """First column of kv chunk ``b`` at ``hop`` in a bias/mask whose columns are
-    all keys in the layout's order (the devices' shards one after another)."""
-    src = (self.r - hop) % self.n
-    return src * self.spec.seq_k + b * self.ck
+  @staticmethod
+  def kv_leaves(ops: Operands) -> list:
+    """What travels of a K/V block: K, V and their segment ids where given."""
+    return [x for x in (ops.k, ops.v, ops.kv_segment_ids) if x is not None]
 
-  def dense_block(self, x, hop, a, b):
-    """The bias/mask block of pair (a, b) at ``hop`` (size-1 dims stay 1)."""
+  @staticmethod
+  def kv_triple(leaves) -> tuple:
+    """``(k, v, kv_ids)`` of ``kv_leaves``' list (ids None when absent)."""
+    return tuple(leaves[:3]) if len(leaves) == 3 else (leaves[0], leaves[1], None)
+
+  def key_start(self, hop, keys):
+    """First column of ``keys`` at ``hop`` in a bias/mask whose columns are all
+    keys in the layout's order (the devices' shards one after another)."""
+    src = (self.r - hop) % self.n
+    return src * self.spec.seq_k + keys[0] * self.ck
+
+  def dense_block(self, x, hop, rows, keys):
+    """The bias/mask block of a call at ``hop`` (size-1 dims stay 1)."""
     if x is None:
       return None
     if x.shape[2] > 1:
-      x = self.q_rows(x, a, axis=2)
+      x = self.q_rows(x, rows, axis=2)
     if x.shape[3] > 1:
-      x = jax.lax.dynamic_slice_in_dim(x, self.key_start(hop, b), self.ck, axis=3)
+      x = jax.lax.dynamic_slice_in_dim(x, self.key_start(hop, keys),
+                                       (keys[1] - keys[0]) * self.ck, axis=3)
     return x
 
-  def seed(self, ops: Operands, hop, a, b):
-    """The dropout seed of pair (a, b) at ``hop``: global offsets of its rows."""
-    if ops.dropout_seed is None:
-      return None
-    spec, plan = self.spec, self.plan
-    return dropout_lib.position_seed(
-        ops.dropout_seed, shard_offset(plan.batch_axes, spec.batch),
-        shard_offset(plan.head_axes, spec.heads_q),
-        *plan.offsets(self.r, hop, a, b, self.cq, self.ck))
+  def operands(self, ops: Operands, kv, hop, rows, keys) -> Operands:
+    """A call's operands: its rows of q, its keys of the block ``kv`` held at
+    ``hop``, the bias/mask block, and the dropout seed of its first row and key
+    (global offsets)."""
+    k, v, kv_ids = kv
+    seed = None
+    if ops.dropout_seed is not None:
+      spec, plan = self.spec, self.plan
+      seed = dropout_lib.position_seed(
+          ops.dropout_seed, shard_offset(plan.batch_axes, spec.batch),
+          shard_offset(plan.head_axes, spec.heads_q),
+          *plan.offsets(self.r, hop, rows[0], keys[0], self.cq, self.ck))
+    return Operands(
+        q=self.q_rows(ops.q, rows), k=self.kv_rows(k, keys), v=self.kv_rows(v, keys),
+        bias=self.dense_block(ops.bias, hop, rows, keys),
+        mask=self.dense_block(ops.mask, hop, rows, keys),
+        q_segment_ids=self.q_rows(ops.q_segment_ids, rows),
+        kv_segment_ids=self.kv_rows(kv_ids, keys), dropout_seed=seed)
 
-  def groups(self):
-    """Hop groups: a scanned run whose hops rotate K/V onwards, then the last hop."""
-    return [(list(range(self.n - 1)), True), ([self.n - 1], False)]
+  def switch(self, hops, t, run, empty, *args):
+    """``run(calls, *args)`` with the calls (``RingPlan.hop_calls``) of device
+    ``r`` at hop ``hops[t]``; ``empty(*args)`` where it has none."""
+    calls = [[self.plan.hop_calls(r, hop, self.cq, self.ck, self.positions)
+              for r in range(self.n)] for hop in hops]
+    return band_switch(calls, (t, self.r), run, empty, *args)
 
-  def switch(self, hops, t, a, b, run, empty, *args):
-    """``run(band, *args)`` with the band device ``r`` meets for pair (a, b) at hop
-    ``hops[t]``; ``empty(*args)`` where it reaches nothing."""
-    return band_switch(self.plan.pair_bands(hops, a, b, self.cq, self.ck),
-                       (t, self.r), run, empty, *args)
+  def hops(self, step, carry, message):
+    """Runs ``step(hops, t, block, carry) -> carry`` over the ring's hops, hop
+    ``0`` on this device's own block; before each hop's kernels the block leaves
+    for the next device, as one message (``Packet``). ``message`` holds the
+    block's leaves. Hops ``1 .. n - 2`` run in one ``scan``."""
+    n = self.n
+    if n == 1:
+      return step([0], 0, self.kv_triple(message), carry)
+    packet = Packet.of(message)
+    block = lambda buf: self.kv_triple(packet.unpack(buf))
+    sent = self.rotate(packet.pack(message))
+    carry = step([0], 0, self.kv_triple(message), carry)
+    buf, mid = sent, list(range(1, n - 1))
+    if mid:
+      def body(c, t):
+        buf, carry = c
+        return (self.rotate(buf), step(mid, t, block(buf), carry)), None
+      (buf, carry), _ = jax.lax.scan(body, (buf, carry), jnp.arange(len(mid)))
+    return step([n - 1], 0, block(buf), carry)
 
 
 def _merge(acc, part):
@@ -303,64 +450,48 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
   (the global band is ``plan.band``). A bias or mask has this device's rows and
   all ``n * Sk_local`` keys as columns, in the layout's order.
   """
-  ring = _Ring(plan, spec)
+  ring = _Ring(plan, spec, positions=ops.dropout_seed is not None)
   f32 = jnp.promote_types(ops.q.dtype, jnp.float32)
-  qs = [ring.q_rows(ops.q, a) for a in range(plan.num_chunks)]
-  q_ids = [None if ops.q_segment_ids is None else ring.q_rows(ops.q_segment_ids, a)
-           for a in range(plan.num_chunks)]
-  kv0 = (ops.k, ops.v, ops.kv_segment_ids)
-  acc0 = [(vary_like(jnp.zeros(q.shape[:3] + (spec.head_dim_v,), f32), q, ops.k),
-           vary_like(jnp.full((spec.batch, spec.heads_q, ring.cq), -jnp.inf, f32),
-                     q, ops.k)) for q in qs]
+  out_shape = ops.q.shape[:3] + (spec.head_dim_v,)
 
-  def run(band, sub):
-    hs = hop_spec(spec, band)
-    sub = Operands(**sub)
-    fwd, _, config = kernel(sub, hs)
-    out, lse = fwd(sub, hs, config)
-    return out.astype(f32), lse.astype(f32)
+  def empty(*refs):
+    return (vary_like(jnp.zeros(out_shape, f32), ops.q, *refs),
+            vary_like(jnp.full((spec.batch, spec.heads_q, spec.seq_q), -jnp.inf, f32),
+                      ops.q, *refs))
 
-  def empty(sub):
-    refs = jax.tree.leaves(sub)
-    return (vary_like(jnp.zeros(sub["q"].shape[:3] + (spec.head_dim_v,), f32), *refs),
-            vary_like(jnp.full((spec.batch, spec.heads_q, ring.cq), -jnp.inf, f32),
-                      *refs))
+  def run(calls, kv, at):
+    """This device's (out, lse) over all its rows against the block ``kv``."""
+    parts = []
+    for rows, keys, band in calls:
+      sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
+      fwd, _, config = kernel(sub, hs)
+      out, lse = fwd(sub, hs, config)
+      parts.append((rows, out.astype(f32), lse.astype(f32)))
+    if all(rows == ring.all for rows, _, _ in parts):
+      return functools.reduce(_merge, [(o, l) for _, o, l in parts])
+    # Calls over some chunks' rows: merged chunk by chunk, then concatenated.
+    blank = empty(*jax.tree.leaves(kv))
+    chunk = lambda x, a, axis: jax.lax.slice_in_dim(x, a * ring.cq, (a + 1) * ring.cq,
+                                                    axis=axis)
+    pieces = []
+    for a in range(plan.num_chunks):
+      mine = [(chunk(o, a - r[0], 1), chunk(l, a - r[0], 2))
+              for r, o, l in parts if r[0] <= a < r[1]]
+      pieces.append(functools.reduce(_merge, mine) if mine else
+                    (chunk(blank[0], a, 1), chunk(blank[1], a, 2)))
+    return (jnp.concatenate([o for o, _ in pieces], axis=1),
+            jnp.concatenate([l for _, l in pieces], axis=2))
 
-  def hop(hops, t, kv, acc):
-    k, v, kv_ids = kv
-    acc = list(acc)
-    for a, b in ring.pairs:
-      at = hops[0] + t
-      sub = dict(q=qs[a], k=ring.kv_rows(k, b), v=ring.kv_rows(v, b),
-                 bias=ring.dense_block(ops.bias, at, a, b),
-                 mask=ring.dense_block(ops.mask, at, a, b), q_segment_ids=q_ids[a],
-                 kv_segment_ids=None if kv_ids is None else ring.kv_rows(kv_ids, b),
-                 dropout_seed=ring.seed(ops, at, a, b))
-      acc[a] = _merge(acc[a], ring.switch(hops, t, a, b, run, empty, sub))
-    return acc
+  def step(hops, t, kv, acc):
+    part = ring.switch(hops, t, run, lambda kv, at: empty(*jax.tree.leaves(kv)),
+                       kv, hops[0] + t)
+    return part if acc is None else _merge(acc, part)
 
-  kv, acc = kv0, acc0
-  for hops, rotates in ring.groups():
-    if not hops:
-      continue
-    if rotates:
-      def body(carry, t, hops=hops):
-        kv, acc = carry
-        # The next hop's blocks are sent before this hop's kernels run.
-        nxt = tuple(ring.rotate(x) for x in kv)
-        return (nxt, hop(hops, t, kv, acc)), None
-      (kv, acc), _ = jax.lax.scan(body, (kv, acc), jnp.arange(len(hops)))
-    else:
-      acc = hop(hops, 0, kv, acc)
-
-  outs, lses = [], []
-  for o, l in acc:
-    if spec.num_sinks:
-      o, l = epilogue.add_sinks(o, l, ops.sinks)
-    outs.append(o)
-    lses.append(l)
-  out = jnp.concatenate(outs, axis=1).astype(ops.q.dtype)
-  return out, jnp.concatenate(lses, axis=2)
+  # Hop 0 runs before any scan, so its result starts the accumulator.
+  out, lse = ring.hops(step, None, ring.kv_leaves(ops))
+  if spec.num_sinks:
+    out, lse = epilogue.add_sinks(out, lse, ops.sinks)
+  return out.astype(ops.q.dtype), lse
 
 
 def _replicated_sum(g, primal):
@@ -375,68 +506,82 @@ def _replicated_sum(g, primal):
 def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, lse,
              do, dlse) -> Operands:
   """Cotangents of the operands of this device, from the final ``out`` and ``lse``."""
-  ring = _Ring(plan, spec)
+  ring = _Ring(plan, spec, positions=ops.dropout_seed is not None)
   f32 = jnp.promote_types(ops.q.dtype, jnp.float32)
-  rows = lambda x, a, axis=1: ring.q_rows(x, a, axis)
-  chunk = [dict(q=rows(ops.q, a), out=rows(out, a), do=rows(do, a),
-                lse=rows(lse, a, 2), dlse=rows(dlse, a, 2),
-                ids=None if ops.q_segment_ids is None else rows(ops.q_segment_ids, a))
-           for a in range(plan.num_chunks)]
   refs = (ops.q, ops.k, do, lse)
   like = lambda x: vary_like(jnp.zeros(x.shape, f32), *refs)
-  dq0 = [like(c["q"]) for c in chunk]
-  dkv0 = (like(ops.k), like(ops.v))
-  db0 = None if ops.bias is None else like(ops.bias)
 
-  def run(band, c, sub):
-    hs = hop_spec(spec, band)
-    sub = Operands(**sub)
-    _, bwd, config = kernel(sub, hs)
-    g = bwd(sub, hs, config, c["out"], c["lse"], c["do"], c["dlse"])
-    return (g.q.astype(f32), g.k.astype(f32), g.v.astype(f32),
-            None if g.bias is None else g.bias.astype(f32))
+  def add(acc, g, rows, size, zero):
+    """``acc`` (``zero()`` when None) plus ``g`` at the chunk range ``rows``."""
+    g = g.astype(f32)
+    if rows == ring.all:
+      return g if acc is None else acc + g
+    acc = zero() if acc is None else acc
+    return acc.at[:, rows[0] * size:rows[1] * size].add(g)
 
-  def empty(c, sub):
-    refs = jax.tree.leaves((c, sub))
-    z = lambda x: None if x is None else vary_like(jnp.zeros(x.shape, f32), *refs)
-    return z(sub["q"]), z(sub["k"]), z(sub["v"]), z(sub["bias"])
-
-  def hop(hops, t, kv, dkv, dq, dbias):
-    k, v, kv_ids = kv
-    dk, dv = dkv
-    dq = list(dq)
-    for a, b in ring.pairs:
-      at = hops[0] + t
-      sub = dict(q=chunk[a]["q"], k=ring.kv_rows(k, b), v=ring.kv_rows(v, b),
-                 bias=ring.dense_block(ops.bias, at, a, b),
-                 mask=ring.dense_block(ops.mask, at, a, b),
-                 q_segment_ids=chunk[a]["ids"],
-                 kv_segment_ids=None if kv_ids is None else ring.kv_rows(kv_ids, b),
-                 dropout_seed=ring.seed(ops, at, a, b))
-      g = ring.switch(hops, t, a, b, run, empty, chunk[a], sub)
-      dq[a] = dq[a] + g[0]
-      sl = slice(b * ring.ck, (b + 1) * ring.ck)
-      dk = dk.at[:, sl].add(g[1])
-      dv = dv.at[:, sl].add(g[2])
+  def run(calls, kv, at, dq, dbias):
+    """dq and dbias with this hop's parts added, and the dK/dV of the block."""
+    dk = dv = None
+    for rows, keys, band in calls:
+      sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
+      _, bwd, config = kernel(sub, hs)
+      g = bwd(sub, hs, config, ring.q_rows(out, rows), ring.q_rows(lse, rows, 2),
+              ring.q_rows(do, rows), ring.q_rows(dlse, rows, 2))
+      dq = add(dq, g.q, rows, ring.cq, None)
+      dk = add(dk, g.k, keys, ring.ck, lambda: like(ops.k))
+      dv = add(dv, g.v, keys, ring.ck, lambda: like(ops.v))
       if dbias is not None:
-        dbias = _add_block(dbias, g[3], ring, at, a, b)
-    # The accumulators follow their K/V block; after the last hop they are home.
-    return (ring.rotate(dk), ring.rotate(dv)), dq, dbias
+        dbias = _add_block(dbias, g.bias.astype(f32), ring, at, rows, keys)
+    return dq, dk, dv, dbias
 
-  kv, dkv, dq, dbias = (ops.k, ops.v, ops.kv_segment_ids), dkv0, dq0, db0
-  for hops, rotates in ring.groups():
-    if not hops:
-      continue
-    if rotates:
-      def body(carry, t, hops=hops):
-        kv, dkv, dq, dbias = carry
-        nxt = tuple(ring.rotate(x) for x in kv)
-        dkv, dq, dbias = hop(hops, t, kv, dkv, dq, dbias)
-        return (nxt, dkv, dq, dbias), None
-      (kv, dkv, dq, dbias), _ = jax.lax.scan(body, (kv, dkv, dq, dbias),
-                                             jnp.arange(len(hops)))
-    else:
-      dkv, dq, dbias = hop(hops, 0, kv, dkv, dq, dbias)
+  def step(hops, t, kv, dq, dbias):
+    dq, dk, dv, dbias = ring.switch(
+        hops, t, run, lambda kv, at, dq, dbias: (dq, like(ops.k), like(ops.v), dbias),
+        kv, hops[0] + t, dq, dbias)
+    return [dk, dv], dq, dbias
+
+  # The dK/dV accumulators of a block travel one hop behind it: the message of
+  # hop t carries the block of hop t + 1 and the accumulators of the block of hop
+  # t - 1, which the next device holds now and adds to after its kernels; one
+  # message per hop, sent before the hop's kernels. The own block (hop 0) comes
+  # last, so the accumulators that come home run beside its kernels: with the own
+  # block first, their 344 us transfer (fp32 dK/dV, 8k rows per GPU, two H200s,
+  # 2026-11-26) ran after the last kernel. The block of hop 1 is the one the
+  # forward's first hop sent; under one jit XLA sends it once for both (which
+  # keeps that block alive from the forward to the backward).
+  n, own = ring.n, ring.kv_leaves(ops)
+  dq, dbias = like(ops.q), None if ops.bias is None else like(ops.bias)
+  if n == 1:
+    (dk, dv), dq, dbias = step([0], 0, ring.kv_triple(own), dq, dbias)
+  else:
+    kv_packet, acc_packet = Packet.of(own), Packet.of([like(ops.k), like(ops.v)])
+    both = Packet(kv_packet.shapes + acc_packet.shapes,
+                  kv_packet.dtypes + acc_packet.dtypes)
+    buf, m = ring.rotate(kv_packet.pack(own)), len(own)
+    kv, sent = kv_packet.unpack(buf), ring.rotate(buf) if n > 2 else None
+    acc, dq, dbias = step([1], 0, ring.kv_triple(kv), dq, dbias)
+    if n > 2:
+      kv, mid = kv_packet.unpack(sent), list(range(2, n - 1))
+      if mid:
+        def body(carry, t):
+          msg, dq, dbias = carry
+          sent = ring.rotate(msg)
+          g, dq, dbias = step(mid, t, ring.kv_triple(both.unpack(msg)[:m]), dq,
+                              dbias)
+          got = both.unpack(sent)
+          return (both.pack(got[:m] + [x + y for x, y in zip(got[m:], g)]),
+                  dq, dbias), None
+        (msg, dq, dbias), _ = jax.lax.scan(body, (both.pack(kv + acc), dq, dbias),
+                                           jnp.arange(len(mid)))
+        leaves = both.unpack(msg)
+        kv, acc = leaves[:m], leaves[m:]
+      sent = ring.rotate(acc_packet.pack(acc))
+      g, dq, dbias = step([n - 1], 0, ring.kv_triple(kv), dq, dbias)
+      acc = [x + y for x, y in zip(acc_packet.unpack(sent), g)]
+    sent = ring.rotate(acc_packet.pack(acc))
+    g, dq, dbias = step([0], 0, ring.kv_triple(own), dq, dbias)
+    dk, dv = (x + y for x, y in zip(acc_packet.unpack(sent), g))
+
 
   dsinks = None
   if spec.num_sinks:
@@ -446,15 +591,15 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
     if ops.bias.shape[2] == 1:  # one bias row for all rows of the ring
       dbias = _replicated_sum(dbias, ops.bias)
     dbias = dbias.astype(ops.bias.dtype)
-  return Operands(q=jnp.concatenate(dq, axis=1).astype(ops.q.dtype),
-                  k=dkv[0].astype(ops.k.dtype), v=dkv[1].astype(ops.v.dtype),
+  return Operands(q=dq.astype(ops.q.dtype), k=dk.astype(ops.k.dtype),
+                  v=dv.astype(ops.v.dtype),
                   bias=dbias, sinks=dsinks)
 
 
-def _add_block(dbias, g, ring: _Ring, hop, a, b):
-  """``dbias`` plus pair (a, b)'s block ``g`` at its rows and columns."""
-  starts = [0, 0, a * ring.cq if dbias.shape[2] > 1 else 0,
-            ring.key_start(hop, b) if dbias.shape[3] > 1 else 0]
+def _add_block(dbias, g, ring: _Ring, hop, rows, keys):
+  """``dbias`` plus a call's block ``g`` at its rows and columns."""
+  starts = [0, 0, rows[0] * ring.cq if dbias.shape[2] > 1 else 0,
+            ring.key_start(hop, keys) if dbias.shape[3] > 1 else 0]
   old = jax.lax.dynamic_slice(dbias, starts, g.shape)
   return jax.lax.dynamic_update_slice(dbias, old + g, starts)
 

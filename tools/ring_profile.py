@@ -5,7 +5,8 @@
 Runs the causal ring (``ring_attention`` in ``shard_map`` over every device,
 LAYOUT zigzag by default, bf16) forward and forward+backward N times (default 5)
 under ``jax.profiler`` and reads the trace's device events per GPU. Collective
-kernels (NCCL's, by name) are the communication, every other kernel the compute.
+kernels (NCCL's, by name) and peer copies are the communication, every other
+event the compute.
 The N calls run back to back (one wait at the end). Per device and call it
 prints the span (first kernel's start to last kernel's end, over N), the
 compute and communication busy times (unions of intervals: streams overlap),
@@ -26,7 +27,10 @@ from tools.launch_gaps import events_by_device, length, union
 
 def is_comm(name: str) -> bool:
   low = name.lower()
-  return "nccl" in low or "sendrecv" in low or "collective" in low
+  # NCCL's kernels, or the peer copies XLA issues for local devices under
+  # --xla_gpu_collective_permute_mode=peer (copy engines, no SMs).
+  return any(w in low for w in ("nccl", "sendrecv", "collective", "p2p", "ptop",
+                                "peer"))
 
 
 def intersect(a, b):

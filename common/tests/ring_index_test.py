@@ -6,6 +6,7 @@ device's band, and the shard offsets the dropout hash takes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flashjax.common import ring
 from flashjax.common.mask import Band
@@ -81,3 +82,84 @@ def test_shard_offset_is_the_first_index_of_the_shard():
                              axis_name="b"), axis_name="a")(jnp.zeros((2, 3), jnp.int32))
   np.testing.assert_array_equal(nested, [[0, 5, 10], [15, 20, 25]])
   assert ring.shard_offset((), 7) == 0
+
+
+def _pair_mask(plan, device, hop, a, b, len_q, len_k):
+  """The dense mask of pair (a, b), from the band of the whole sequences."""
+  q0, k0 = plan.offsets(device, hop, a, b, len_q, len_k)
+  whole = plan.band.as_array()
+  return np.asarray(whole)[q0:q0 + len_q, k0:k0 + len_k]
+
+
+def _call_masks(plan, device, hop, len_q, len_k, positions=False):
+  """Each pair's mask as the calls of ``hop_calls`` cover it (False where no call
+  covers the pair), and how many calls cover each pair."""
+  nc = plan.num_chunks
+  masks = {(a, b): np.zeros((len_q, len_k), bool) for a in range(nc) for b in range(nc)}
+  count = {pair: 0 for pair in masks}
+  for (a0, a1), (b0, b1), band in plan.hop_calls(device, hop, len_q, len_k,
+                                                  positions) or ():
+    dense = np.asarray(band.as_array())
+    for a in range(a0, a1):
+      for b in range(b0, b1):
+        masks[a, b] = dense[(a - a0) * len_q:(a - a0 + 1) * len_q,
+                            (b - b0) * len_k:(b - b0 + 1) * len_k]
+        count[a, b] += 1
+  return masks, count
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("band", [dict(right=0), {}, dict(left=20, right=3),
+                                  dict(left=5, right=0), dict(left=-2, right=9),
+                                  dict(left=12, right=-4)])
+@pytest.mark.parametrize("lengths", [(64, 64), (32, 64), (64, 32)])
+@pytest.mark.parametrize("positions", [False, True])
+def test_hop_calls_cover_each_pair_with_its_band(layout, band, lengths, positions):
+  # Every pair the band reaches is covered once, by a call whose band, cut to
+  # the pair, is the pair's mask in the whole sequences (a merged call may span
+  # pairs the band misses: its band masks them whole).
+  plan = _plan(layout, Band(seq_q=lengths[0], seq_k=lengths[1], **band))
+  cq, ck = (s // 4 // plan.num_chunks for s in lengths)
+  for hop in range(4):
+    for r in range(4):
+      masks, count = _call_masks(plan, r, hop, cq, ck, positions)
+      for pair, mask in masks.items():
+        want = _pair_mask(plan, r, hop, *pair, cq, ck)
+        np.testing.assert_array_equal(mask, want, err_msg=str((hop, r, pair)))
+        assert count[pair] <= 1 and (count[pair] == 1 or not want.any()), (
+            hop, r, pair, count)
+
+
+def test_hop_calls_of_a_causal_zigzag_ring_are_one_call_per_hop():
+  plan = _plan("zigzag", Band(seq_q=64, seq_k=64, right=0))
+  for hop in range(4):
+    for r in range(4):
+      calls = plan.hop_calls(r, hop, 8, 8)
+      assert len(calls) == 1, (hop, r, calls)
+      (rows, keys, band), = calls
+      if hop == 0:  # the own block: causal over both chunks
+        assert (rows, keys, band) == ((0, 2), (0, 2), Band(seq_q=16, seq_k=16, right=0))
+      elif (r - hop) % 4 < r:  # an earlier block: all rows, its first chunk
+        assert (rows, keys, band) == ((0, 2), (0, 1), Band(seq_q=16, seq_k=8))
+      else:  # a later block: the last chunk's rows, both chunks
+        assert (rows, keys, band) == ((1, 2), (0, 2), Band(seq_q=8, seq_k=16))
+  # With dropout the calls keep to chunks that are adjacent in the sequence:
+  # device 3 holds chunks 3 and 4, so its own block is still one call.
+  assert [len(plan.hop_calls(r, 0, 8, 8, positions=True)) for r in range(4)] == [
+      3, 3, 3, 1]
+
+
+def test_packet_round_trip():
+  # Mixed dtypes and odd sizes through one flat buffer of the smallest unit.
+  xs = [jnp.arange(15, dtype=jnp.bfloat16).reshape(3, 5) / 7,
+        jnp.arange(7, dtype=jnp.int32) - 3,
+        jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3),
+        jnp.array([True, False, True])]
+  packet = ring.Packet.of(xs)
+  buf = jax.jit(packet.pack)(xs)
+  assert buf.dtype == jnp.uint8 and buf.size == 30 + 28 + 24 + 3
+  got = jax.jit(packet.unpack)(buf)
+  for g, x in zip(got, xs):
+    assert g.dtype == x.dtype and g.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
+  assert ring.Packet.of(xs[:3]).unit == jnp.uint16

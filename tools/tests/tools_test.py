@@ -177,3 +177,5 @@ def test_ring_profile_splits_transfers_into_hidden_and_exposed():
   assert o["exposed"] == pytest.approx(55.0)
   assert ring_profile.intersect([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
   assert not ring_profile.is_comm("entry_mosaic_gpu_kernel")
+  assert not ring_profile.is_comm("memcpy128")  # XLA's copy kernel
+  assert ring_profile.is_comm("MemcpyP2P")  # a peer copy (copy engines)
