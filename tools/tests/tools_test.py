@@ -179,3 +179,26 @@ def test_ring_profile_splits_transfers_into_hidden_and_exposed():
   assert not ring_profile.is_comm("entry_mosaic_gpu_kernel")
   assert not ring_profile.is_comm("memcpy128")  # XLA's copy kernel
   assert ring_profile.is_comm("MemcpyP2P")  # a peer copy (copy engines)
+
+
+def test_ring_gpu_runs_plans_each_gpu_count(tmp_path):
+  # The dry run names one scaling run per GPU count (2, 4, ... up to the host's)
+  # and tokens per GPU (8k, 32k), each on the first n GPUs, between the GPU
+  # tests and the profile.
+  import os
+  import subprocess
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ring_gpu_runs.sh")
+  run = lambda n: subprocess.run(["bash", script, "--dry-run", str(n)], text=True,
+                                 capture_output=True, env=dict(os.environ, OUT=str(tmp_path)),
+                                 check=True).stdout.splitlines()
+  lines = run(4)
+  assert "tests/ring_test.py tests/sharding_test.py -k gpus" in lines[0]
+  scaling = [l for l in lines if "flashjax.benchmarks" in l]
+  want = [("0,1", 16384), ("0,1", 65536), ("0,1,2,3", 32768), ("0,1,2,3", 131072)]
+  assert len(scaling) == len(want)
+  for line, (devices, seq) in zip(scaling, want):
+    assert f"CUDA_VISIBLE_DEVICES={devices} " in line and f"--ring {seq} " in line
+    assert ("--iters 3" in line) == (seq // len(devices.split(",")) == 32768)
+  assert "tools.ring_profile 32768" in lines[-1]
+  assert len(run(2)) == 4 and len(run(8)) == 8
+  assert not any(tmp_path.iterdir())  # a dry run writes nothing
