@@ -7,12 +7,11 @@ block. The forward merges the hops' ``(out, lse)`` exactly in fp32 through the
 lse; the backward re-runs the hops with the final out and lse (the softmax of the
 whole row), and the dK/dV accumulators travel one hop behind their K/V block,
 arriving home beside the last hop, which is the device's own block. Each hop
-sends one message (``Packet``: what
-travels, bitcast into one buffer) before its own kernels run, so that the
-transfer can run beside them: XLA's GPU scheduler keeps one collective-permute
-in flight at a time, and ran a second one of the same hop synchronously
-(2026-11-26, jax 0.11.2, two H200s: V's transfer waited 130 us before any
-kernel while K's ran beside the kernels).
+sends one message (``Packet``: what travels, bitcast into one buffer) before its
+own kernels run, so that the transfer can run beside them: XLA's GPU scheduler
+keeps one collective-permute in flight at a time, and ran a second one of the
+same hop synchronously (2026-11-26, jax 0.11.2, two H200s: V's transfer waited
+130 us before any kernel while K's ran beside the kernels).
 
 Layouts (``LAYOUTS``): "contiguous", device ``r`` holds rows ``[r c, (r + 1) c)``;
 "zigzag", the sequence in ``2n`` chunks, device ``r`` holding chunks ``r`` and
@@ -151,13 +150,12 @@ class RingPlan:
     src = (device - hop) % self.num_shards
     return self.chunk_index(device, a) * len_q, self.chunk_index(src, b) * len_k
 
-  def pair_bands(self, hops, a: int, b: int, len_q: int, len_k: int):
-    """``bands[t][r]``: the band (None = empty) of device ``r``'s q chunk ``a``
-    against the kv chunk ``b`` it meets at hop ``hops[t]``."""
-    return [[self.band.sub_block(q, len_q, k, len_k)
-             for q, k in (self.offsets(r, hop, a, b, len_q, len_k)
-                          for r in range(self.num_shards))]
-            for hop in hops]
+  def pair_band(self, device: int, hop: int, a: int, b: int, len_q: int,
+                len_k: int):
+    """The band (None = empty) of ``device``'s q chunk ``a`` against the kv
+    chunk ``b`` it meets at ``hop``, in the pair's own coordinates."""
+    q, k = self.offsets(device, hop, a, b, len_q, len_k)
+    return self.band.sub_block(q, len_q, k, len_k)
 
   def hop_calls(self, device: int, hop: int, len_q: int, len_k: int,
                 positions: bool = False):
@@ -177,8 +175,7 @@ class RingPlan:
     """
     nc = self.num_chunks
     offsets = lambda a, b: self.offsets(device, hop, a, b, len_q, len_k)
-    pair = {(a, b): self.band.sub_block(offsets(a, b)[0], len_q, offsets(a, b)[1],
-                                         len_k)
+    pair = {(a, b): self.pair_band(device, hop, a, b, len_q, len_k)
             for a in range(nc) for b in range(nc)}
     invalid = object()
 

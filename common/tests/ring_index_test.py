@@ -41,10 +41,16 @@ def test_offsets_per_hop_on_four_shards():
   assert traced(1, 3).tolist() == [24, 8]
 
 
+def _pair_bands(plan, len_q, len_k):
+  """``[hop][device]``: the band of each device's (only) chunk pair per hop."""
+  return [[plan.pair_band(r, hop, 0, 0, len_q, len_k) for r in range(4)]
+          for hop in range(4)]
+
+
 def test_pair_bands_of_a_causal_contiguous_ring():
   plan = _plan("contiguous", Band(seq_q=32, seq_k=32, right=0))
   diag, full = Band(seq_q=8, seq_k=8, right=0), Band(seq_q=8, seq_k=8)
-  assert plan.pair_bands(range(4), 0, 0, 8, 8) == [
+  assert _pair_bands(plan, 8, 8) == [
       [diag] * 4,
       [None, full, full, full],
       [None, None, full, full],
@@ -53,8 +59,7 @@ def test_pair_bands_of_a_causal_contiguous_ring():
 
 def test_band_switch_runs_each_entrys_band():
   diag, full = Band(seq_q=8, seq_k=8, right=0), Band(seq_q=8, seq_k=8)
-  bands = _plan("contiguous", Band(seq_q=32, seq_k=32, right=0)).pair_bands(
-      range(4), 0, 0, 8, 8)
+  bands = _pair_bands(_plan("contiguous", Band(seq_q=32, seq_k=32, right=0)), 8, 8)
   run = lambda band, x: x + (10.0 if band.right is None else 20.0)
   empty = lambda x: x - 1.0
   value = {diag: 21.5, full: 11.5, None: 0.5}
