@@ -551,7 +551,8 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
   if n == 1:
     (dk, dv), dq, dbias = step([0], 0, ring.kv_triple(own), dq, dbias)
   else:
-    kv_packet, acc_packet = Packet.of(own), Packet.of([like(ops.k), like(ops.v)])
+    kv_packet = Packet.of(own)
+    acc_packet = Packet((ops.k.shape, ops.v.shape), (jnp.dtype(f32),) * 2)
     both = Packet(kv_packet.shapes + acc_packet.shapes,
                   kv_packet.dtypes + acc_packet.dtypes)
     buf, m = ring.rotate(kv_packet.pack(own)), len(own)
@@ -578,7 +579,6 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
     sent = ring.rotate(acc_packet.pack(acc))
     g, dq, dbias = step([0], 0, ring.kv_triple(own), dq, dbias)
     dk, dv = (x + y for x, y in zip(acc_packet.unpack(sent), g))
-
 
   dsinks = None
   if spec.num_sinks:
