@@ -72,3 +72,10 @@ def assert_close(x, ref, tol: Tolerance, *, name: str = "value"):
   err = rel_l2(fx, fr)
   if err > tol.rel_l2:
     raise AssertionError(f"{name}: relative L2 error {err:.3g} > {tol.rel_l2:.3g}")
+
+
+def assert_matches(x, one, ref, tol: Tolerance, *, name: str):
+  """``x``, a split or sharded call's result, against the same call on one device
+  (``one``) and against the reference: :func:`assert_close` of each."""
+  assert_close(x, one, tol, name=f"{name} vs one device")
+  assert_close(x, ref, tol, name=f"{name} vs ref")

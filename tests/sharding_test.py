@@ -309,12 +309,6 @@ def test_data_parallel_on_gpus(platform, split):
   (_, want), dwant = step(*(jax.device_put(x, one) for x in (q, k, v, do)))
   (_, ref), dref = grads(lambda q, k, v: reference.attention(q, k, v, **kw))(
       *(x.astype(jnp.float32) for x in (q, k, v, do)))
-  tol = tolerances.forward("bfloat16")
-  tolerances.assert_close(np.asarray(out, np.float32), np.asarray(want, np.float32),
-                          tol, name="out vs one GPU")
-  tolerances.assert_close(np.asarray(out, np.float32), ref, tol, name="out vs ref")
-  tol = tolerances.grad("bfloat16")
+  tolerances.assert_matches(out, want, ref, tolerances.forward("bfloat16"), name="out")
   for name, a, w, r in zip("qkv", dgot, dwant, dref):
-    tolerances.assert_close(np.asarray(a, np.float32), np.asarray(w, np.float32), tol,
-                            name=f"d{name} vs one GPU")
-    tolerances.assert_close(np.asarray(a, np.float32), r, tol, name=f"d{name} vs ref")
+    tolerances.assert_matches(a, w, r, tolerances.grad("bfloat16"), name=f"d{name}")

@@ -104,3 +104,14 @@ def test_suite_demands_error_for_declared_gap():
   # dense_attention does bias, so a platform claiming it does not must fail.
   with pytest.raises(BaseException, match="DID NOT RAISE"):
     suite.check(conformance.Case(bias_shape=(-1, -1)))
+
+
+def test_assert_matches_checks_both_the_one_device_call_and_the_reference():
+  from flashjax.common import tolerances
+  tol = tolerances.forward("bfloat16")
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+  tolerances.assert_matches(x, x + 1e-4, x - 1e-4, tol, name="out")
+  with pytest.raises(AssertionError, match="out vs one device"):
+    tolerances.assert_matches(x, x + 0.5, x, tol, name="out")
+  with pytest.raises(AssertionError, match="out vs ref"):
+    tolerances.assert_matches(x, x, x + 0.5, tol, name="out")
