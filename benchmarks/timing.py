@@ -12,7 +12,7 @@ from flashjax.common.timer import time_interleaved_ms, time_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
-from . import packed
+from . import dropout, packed
 
 # "jvp" times the whole jax.jvp call (the primal forward and its tangent), to set
 # against "fwd".
@@ -116,7 +116,7 @@ def check(fn, shape: Shape, dtype) -> str:
   max_seq = None if shape.documents else 512
   q, k, v, _ = random_inputs(shape, dtype, seed=1, max_seq=max_seq, batch=1,
                              heads=heads)
-  kw = {}
+  kw = dropout.kwargs(shape)
   if shape.documents:
     ids = jnp.asarray(packed.segment_ids(shape))
     kw = dict(segment_ids=(ids, ids))
@@ -170,12 +170,14 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   status, compiled, calls = {}, {}, {}
   if shape.documents:  # packed row: packed, batched and varlen variants
     builders, small = packed.variants(fns), packed.check_shape(shape)
+  elif shape.dropout_rate:  # each flashjax implementation with and without it
+    builders, small = dropout.variants(fns), shape
   else:
     builders, small = {n: (lambda s, fn=fn: fn) for n, fn in fns.items()}, shape
   fns = {}
   for name, build in builders.items():
     try:
-      status[name] = check(build(small), small, dtype)
+      status[name] = check(build(small), dropout.check_shape(name, small), dtype)
       fns[name] = build(shape)
     except Exception as e:  # a variant whose entry does not import
       status[name], fns[name] = error_status(e), None

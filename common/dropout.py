@@ -61,11 +61,23 @@ def threshold(rate: float) -> int:
   return min(int(round(rate * 2.0**24)), 2**24 - 1)
 
 
-def keep_from_row_key(key, j, rate: float):
-  """Keep-mask for row keys ``key`` and key positions ``j`` (broadcast)."""
-  bits = fmix32(key ^ (_u32(j) * jnp.uint32(_K_COL)))
+def col_key(j):
+  """uint32 term of key position ``j``; a kernel whose tile's keys are fixed
+  computes it once per key, not per element."""
+  return _u32(j) * jnp.uint32(_K_COL)
+
+
+def keep_from_keys(row, col, rate: float):
+  """Keep-mask for row keys ``row`` (:func:`row_key`) and key terms ``col``
+  (:func:`col_key`), broadcast against each other."""
+  bits = fmix32(row ^ col)
   top = jax.lax.bitcast_convert_type(bits >> 8, jnp.int32)
   return top >= jnp.int32(threshold(rate))
+
+
+def keep_from_row_key(key, j, rate: float):
+  """Keep-mask for row keys ``key`` and key positions ``j`` (broadcast)."""
+  return keep_from_keys(key, col_key(j), rate)
 
 
 def keep(seed, b, h, i, j, rate: float):

@@ -22,8 +22,13 @@ class Shape:
   # per row; benchmarks/kvcache.py): 0 = a contiguous cache, n > 0 = pages of n
   # positions; None = not a cache shape.
   page_size: int | None = None
+  # Dropout on the probabilities (benchmarks/dropout.py runs each flashjax
+  # implementation with it and without it); 0 = none.
+  dropout_rate: float = 0.0
 
   def __post_init__(self):
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
     p = self.page_size
     if p is not None and (p < 0 or p and self.seq_k % p):
       raise ValueError(f"page_size must be None, 0 (contiguous cache) or a positive "
@@ -73,14 +78,17 @@ DECODE = ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096), (1, 1, 131072))
 MIXED_16K = (8192, 64, 2048, 512, 128, 4096, 1024, 256, 64)
 
 
-def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384)):
+def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384),
+              dropout_rate=0.0):
   out = []
   for causal in (False, True):
     for s in seqs:
       out.append(Shape(name=f"B{tokens // s}-S{s // 1024}k-H{heads}-D{head_dim}"
-                       + ("-causal" if causal else ""),
+                       + ("-causal" if causal else "")
+                       + (f"-dropout{dropout_rate:g}" if dropout_rate else ""),
                        batch=tokens // s, seq_q=s, seq_k=s, heads_q=heads,
-                       heads_kv=heads, head_dim=head_dim, causal=causal))
+                       heads_kv=heads, head_dim=head_dim, causal=causal,
+                       dropout_rate=dropout_rate))
   return tuple(out)
 
 
@@ -88,6 +96,9 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     # The standard training set (as in FlashAttention-2/3's benchmarks): B*S = 16k
     # tokens, H = 16, D = 128.
     "standard": _training(),
+    # The standard set's short and middle columns with dropout 0.1: each flashjax
+    # implementation with and without it (benchmarks/dropout.py).
+    "dropout": _training(seqs=(2048, 8192), dropout_rate=0.1),
     "head_dim": tuple(
         Shape(name=f"B2-S8k-H{2048 // d}-D{d}" + ("-causal" if c else ""),
               batch=2, seq_q=8192, seq_k=8192, heads_q=2048 // d,

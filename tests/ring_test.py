@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import flashjax
-from flashjax.common import reference
+from flashjax.common import hardware, reference
 from flashjax.common.mask import Band, band_allowed
 
 PRELUDE = textwrap.dedent("""
@@ -305,18 +305,26 @@ def test_zigzag_order_and_restore():
     flashjax.zigzag_order(x, 3)
 
 
-@pytest.mark.parametrize("platform,backend", [("pallas-triton", "gpu"),
-                                              ("pallas", "tpu"), ("triton", "gpu")])
+@pytest.mark.parametrize("platform,backend", [
+    ("pallas-triton", "gpu"), ("pallas", "tpu"), ("triton", "gpu"), ("pallas", "gpu")])
 def test_kernel_dropout_takes_hop_offsets(platform, backend):
   """On one device the zigzag layout's second chunk starts at row and key S/2:
-  the kernels (Pallas in interpret mode) must hash those global positions, as
-  the reference does on the whole sequence. (4 devices: the FOUR script.)"""
-  interpret = platform != "triton"
+  the kernels (Pallas in interpret mode; Mosaic-GPU, bf16, on Hopper) must hash
+  those global positions, as the reference does on the whole sequence. (4
+  devices: the FOUR script.)"""
+  mosaic = (platform, backend) == ("pallas", "gpu")
+  interpret = platform != "triton" and not mosaic
   if not interpret and jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
+  if mosaic and not hardware.is_hopper():
+    pytest.skip("needs a Hopper GPU")
   ks = jax.random.split(jax.random.key(0), 4)
-  q, do = (jax.random.normal(x, (1, 16, 2, 16)) for x in ks[:2])
-  k, v = (jax.random.normal(x, (1, 16, 1, 16)) for x in ks[2:])
+  dtype = jnp.bfloat16 if mosaic else jnp.float32
+  # Mosaic's blocks are 64 rows or more: a longer sequence, so each zigzag
+  # chunk spans blocks and the offsets land inside a kernel's walk.
+  s, d = (512, 64) if mosaic else (16, 16)
+  q, do = (jax.random.normal(x, (1, s, 2, d), dtype) for x in ks[:2])
+  k, v = (jax.random.normal(x, (1, s, 1, d), dtype) for x in ks[2:])
   kw = dict(dropout_rate=0.3, dropout_seed=11)
 
   def ring(q, k, v):
@@ -328,11 +336,20 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
     return jax.value_and_grad(lambda *a: jnp.sum(f(*a) * do), argnums=(0, 1, 2))
 
   val, grads = jax.jit(check(ring))(q, k, v)
-  rval, rgrads = check(lambda *a: reference.attention(*a, **kw))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  rval, rgrads = check(lambda *a: reference.attention(*a, **kw))(*f32)
+  assert float(jnp.std(rgrads[0])) > 0.05
+  if mosaic:
+    from flashjax.common import tolerances
+    # Without the offsets the kernels drop other entries: the gradients' error
+    # would be of order one, far outside bf16's tolerances.
+    for name, g, r in zip("qkv", grads, rgrads):
+      tolerances.assert_close(np.asarray(g, np.float32), r,
+                              tolerances.grad("bfloat16"), name=f"d{name}")
+    return
   np.testing.assert_allclose(val, rval, rtol=1e-4)
   for g, r in zip(grads, rgrads):
     np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
-  assert float(jnp.std(rgrads[0])) > 0.05
 
 
 MULTI_GPU = pytest.mark.skipif(
@@ -346,8 +363,7 @@ def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):
   the ring: collective-permutes, no all-gather); "rows", q's rows alone (K/V
   whole); "heads", MQA with q's heads split and K/V whole (each shard slices its
   kv head). The last two move nothing but the K/V cotangents' sum. Outputs and
-  gradients match the fp32 reference on the same inputs. Dropout where the
-  platform has it (not Mosaic GPU)."""
+  gradients match the fp32 reference on the same inputs, with dropout."""
   from jax.sharding import NamedSharding
   from flashjax.common import tolerances
   n = jax.device_count()
@@ -358,9 +374,7 @@ def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):
   hq, hkv = (2 * n, 1) if split == "heads" else (4, 2)
   q, do = (jax.random.normal(x, shape(hq), jnp.bfloat16) for x in ks[:2])
   k, v = (jax.random.normal(x, shape(hkv), jnp.bfloat16) for x in ks[2:])
-  kw = dict(causal=True)
-  if platform != "pallas":
-    kw.update(dropout_rate=0.1, dropout_seed=7)
+  kw = dict(causal=True, dropout_rate=0.1, dropout_seed=7)
 
   def loss(f, **more):
     def run(q, k, v):
@@ -400,7 +414,7 @@ def test_auto_mesh_rows_and_heads_on_gpus(platform, split):
 
 def _explicit_ring_on_gpus(platform, layout, rows_per_device=512):
   """bf16 ``ring_attention`` in ``shard_map`` over every GPU (NCCL), causal, GQA
-  4:2, sinks and segment ids (and dropout where the platform has it): output,
+  4:2, sinks, segment ids and dropout: output,
   lse and gradients equal the unsharded call of the same platform on one GPU,
   and both equal the fp32 reference."""
   from flashjax.common import tolerances
@@ -414,9 +428,8 @@ def _explicit_ring_on_gpus(platform, layout, rows_per_device=512):
   # Documents of random lengths, some crossing the devices' boundaries.
   seg = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 5, (2, s)), 1),
                     jnp.int32)
-  kw = dict(causal=True, sinks=sinks, platform=platform)
-  if platform != "pallas":
-    kw.update(dropout_rate=0.1, dropout_seed=5)
+  kw = dict(causal=True, sinks=sinks, platform=platform, dropout_rate=0.1,
+            dropout_seed=5)
   zz = layout == "zigzag"
   order = (lambda x: flashjax.zigzag_order(x, n)) if zz else (lambda x: x)
   restore = (lambda x, a=1: flashjax.zigzag_restore(x, n, a)) if zz else (

@@ -215,6 +215,33 @@ def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
       for n in shape.documents)
 
 
+def test_dropout_set_runs_each_flashjax_call_with_and_without_dropout():
+  """The dropout set's rule at tiny size: a flashjax implementation runs with
+  dropout (checked against the reference with the same dropout, so a kernel
+  without the hash would be flagged WRONG) and without it; a peer's row says it
+  has none."""
+  import dataclasses
+  assert {s.dropout_rate for s in get("dropout")} == {0.1}
+  assert all(s.name.endswith("-dropout0.1") for s in get("dropout"))
+  with pytest.raises(ValueError, match="dropout_rate"):
+    Shape(name="t", batch=1, seq_q=8, seq_k=8, heads_q=1, heads_kv=1, head_dim=8,
+          dropout_rate=1.0)
+  xla = impls.IMPLS["xla"].build()
+  shape = dataclasses.replace(SMALL, causal=True, dropout_rate=0.3)
+  peer = lambda q, k, v, causal: xla(q, k, v, causal)
+  rows = timing.run_shape({"xla": xla, "jax-xla": peer}, shape, jnp.float32, ["fwd"],
+                          iters=1, repeats=1)
+  by = {r.impl: r for r in rows}
+  assert list(by) == ["xla", "xla[no dropout]", "jax-xla"]
+  assert by["xla"].status == by["xla[no dropout]"].status == "ok"
+  assert by["xla"].ms > 0 and by["xla[no dropout]"].ms > 0
+  assert "no dropout" in by["jax-xla"].status
+  # A flashjax call that ignores dropout is flagged, not timed.
+  rows = timing.run_shape({"xla": lambda q, k, v, causal, **kw: xla(q, k, v, causal)},
+                          shape, jnp.float32, ["fwd"], iters=1, repeats=1)
+  assert rows[0].status.startswith("WRONG"), rows[0]
+
+
 def test_cli_times_forward_mode_against_the_forward(tmp_path, capsys, monkeypatch):
   from flashjax.common import shapes
   monkeypatch.setitem(shapes.SHAPE_SETS, "small", (SMALL,))

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import blocking
+from ...common import blocking, dropout
 from ...common.mask import Band
 from .. import split_tail
 
@@ -58,6 +58,9 @@ class Geometry:
   bias_dtype: str | None = None
   bias_batch: bool = True
   bias_heads: bool = True
+  # Dropout: the kernels take dropout.kernel_seed(..., positions=True) and hash
+  # each kept probability's global coordinates (dropout_row_keys, dropout_col_keys).
+  dropout_rate: float = 0.0
 
   @property
   def group(self) -> int:
@@ -99,6 +102,26 @@ def tile_coords(g: Geometry, t):
   rest = lax.div(t, jnp.int32(g.num_q_tiles))
   tile = (g.num_q_tiles - 1) - lax.rem(t, jnp.int32(g.num_q_tiles))
   return lax.div(rest, jnp.int32(g.heads_q)), lax.rem(rest, jnp.int32(g.heads_q)), tile
+
+
+def dropout_row_keys(seed, b, h, rows):
+  """``dropout.row_key`` of local rows ``rows`` (padded indices, any shape) of
+  batch ``b`` and query head ``h``, shifted by the offsets in ``seed`` (the
+  int32 words of ``dropout.kernel_seed(..., positions=True)``: a shard's first
+  batch and head, a ring hop's first row). Scalars read from a kernel's ref and
+  host arrays alike: the backward computes its rows' keys in XLA, the forward
+  in the kernel."""
+  # Every term as a vector of the rows' shape (and in-kernel layout): Mosaic-GPU
+  # (jax 0.11) cannot bitcast a scalar, which the hash does to its uint32 words.
+  zero = rows * 0
+  return dropout.row_key(zero + seed[0], zero + (b + seed[1]), zero + (h + seed[2]),
+                         rows + seed[3])
+
+
+def dropout_col_keys(seed, cols):
+  """``dropout.col_key`` of local key positions ``cols``, shifted by the key
+  offset in ``seed``."""
+  return dropout.col_key(cols + seed[4])
 
 
 def tail_plan(g: Geometry) -> split_tail.Tail | None:

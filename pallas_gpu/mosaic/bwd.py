@@ -33,6 +33,11 @@ Segment ids (``Geometry.segments``), as in the forward: each warpgroup's walk is
 cut to the blocks whose ids can meet its own (a ``[B, 4, n]`` table per
 warpgroup block), blocks of more than the warpgroup's own id are masked; the ids of a warpgroup's own
 rows (keys) come once, the streamed side's with each slot.
+
+Dropout (``Geometry.dropout_rate``): each row's dropout key (common/dropout.py,
+hashed in XLA) rides in the row stats as a third row, so the dK/dV kernel, which
+meets new rows every step, does one mix per element like the dQ kernel. dV takes
+the kept probabilities and dS the kept dP, both scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat
+from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
-from .blocks import Geometry, cta_block_ranges, cta_q_ranges
+from .blocks import Geometry, cta_block_ranges, cta_q_ranges, dropout_col_keys
 
 
 def _probs(scores, lse2, g: Geometry):
@@ -67,6 +72,32 @@ def _dscores(p, dp, delta, tanh):
 
 def _index(shape, dim, start):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
+
+
+def _positions(n, tile_dim, start):
+  """``start + [0, n)`` along dimension ``tile_dim`` of a WGMMA tile (the layout
+  that broadcasts into it)."""
+  return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(
+      1 - tile_dim)) + start
+
+
+def _stat_rows(g: Geometry) -> int:
+  """Rows of the per-row stats: lse (log2 units) and delta, and with dropout each
+  row's dropout key bitcast to fp32 (mosaic.backward)."""
+  return 3 if g.dropout_rate else 2
+
+
+def _row_keys(st_row, layout):
+  """The dropout row keys of a stats row in shared memory."""
+  return lax.bitcast_convert_type(compat.mgpu_load(st_row, layout), jnp.uint32)
+
+
+def _dropped(keep, x, scale=None):
+  """``x`` (times ``scale``) where the dropout keeps, 0 where it drops; ``x``
+  without dropout (``keep`` None)."""
+  if keep is None:
+    return x
+  return jnp.where(keep, x if scale is None else x * scale, 0.0)
 
 
 def registers(g: Geometry) -> tuple[int, int]:
@@ -113,8 +144,8 @@ def _dkv_program(g: Geometry, dtype):
   ids, q ids, table), shared memory and barriers, or None."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dk_ref, dv_ref, where, seg, smem,
-             bars, free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
+             seg, smem, bars, free):
     q_free, do_free = free
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
@@ -150,6 +181,11 @@ def _dkv_program(g: Geometry, dtype):
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
       col = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+      inv_keep = 1.0 / (1.0 - g.dropout_rate)
+      if g.dropout_rate:
+        # The keys are this warpgroup's own: their hash terms once per CTA.
+        key_terms = lax.broadcast_in_dim(
+            dropout_col_keys(seed_ref, _positions(bk, 0, k0)), (bk, bq), [0])
 
       def step(s, carry, masked: bool):
         dk, dv = carry
@@ -166,6 +202,11 @@ def _dkv_program(g: Geometry, dtype):
         lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
         delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
         pt, tanh = _probs(st, col(lse2), g)
+        keep = None
+        if g.dropout_rate:
+          keep = dropout.keep_from_keys(
+              col(_row_keys(st_smem.at[slot, 2], plgpu.Layout.WGMMA.reduce(0))),
+              key_terms, g.dropout_rate)
         qi = q_ids(slot, masked)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
@@ -183,9 +224,10 @@ def _dkv_program(g: Geometry, dtype):
           # cores busy during the dS arithmetic; dO is free once dV is done.
           dpt_ref, dv_ref, dk_ref = refs
           plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(my_do, (1, 0)))
-          plgpu.wgmma(dv_ref, pt.astype(dtype), my_do)
+          # dV takes the kept probabilities; 1 / (1 - rate) is applied to dV.
+          plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), my_do)
           dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
-          dst = _dscores(pt, dpt, col(delta), tanh)
+          dst = _dscores(pt, _dropped(keep, dpt, inv_keep), col(delta), tanh)
           plgpu.wgmma(dk_ref, dst.astype(dtype), my_q)
           plgpu.wgmma_wait(1)
           plgpu.barrier_arrive(do_free.at[slot])
@@ -213,7 +255,7 @@ def _dkv_program(g: Geometry, dtype):
       dk, dv = carry
 
       my_k[...] = (dk * g.softmax_scale).astype(dtype)
-      my_v[...] = dv.astype(dtype)
+      my_v[...] = (dv * inv_keep if g.dropout_rate else dv).astype(dtype)
       plgpu.commit_smem()
       out_rows = (b_idx, pl.ds(k0, bk), h)
       plgpu.copy_smem_to_gmem(my_k, dk_ref.at[out_rows])
@@ -242,7 +284,7 @@ def _dkv_program(g: Geometry, dtype):
   smem = (
       plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
       plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
-      plgpu.SMEM((stages, 2, bq), jnp.float32),
+      plgpu.SMEM((stages, _stat_rows(g), bq), jnp.float32),
       plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
       plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
   )
@@ -271,24 +313,37 @@ def _dkv_ids(seg):
   return (seg[1], seg[0], seg[2]) if seg else ()
 
 
-def dkv(q, k, v, do, stats, g: Geometry, segments=()):
+def _inputs(refs, seed):
+  """``(q, k, v, do, stats, seed or None)`` refs and the rest."""
+  n = 6 if seed is not None else 5
+  return tuple(refs[:n]) + (None,) * (6 - n), refs[n:]
+
+
+def _seed(seed):
+  return () if seed is None else (seed,)
+
+
+def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
   rows) and delta; ``segments``: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and the
   visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
-  (mosaic.segment_operands), or ().
-  Returns ``dk, dv [B, Skp, Hq, D]`` per query head (q's dtype)."""
+  (mosaic.segment_operands), or (); ``seed`` with dropout: the int32 words of
+  ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
+  row's dropout key as a third row. Returns ``dk, dv [B, Skp, Hq, D]`` per
+  query head (q's dtype)."""
   scoped, kernel = _dkv_program(g, q.dtype)
   n = len(segments)
 
   def entry(*refs):
     where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
-    _run(kernel, scoped, refs[:5], refs[5 + n:], where, refs[5:5 + n])
+    ins, rest = _inputs(refs, seed)
+    _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
                  (g.num_kv_tiles, g.heads_q, g.batch), ("kt", "h", "b"))(
-                     q, k, v, do, stats, *_dkv_ids(segments))
+                     q, k, v, do, stats, *_seed(seed), *_dkv_ids(segments))
 
 
 def _dq_program(g: Geometry, dtype):
@@ -297,8 +352,8 @@ def _dq_program(g: Geometry, dtype):
   :func:`_dkv_program` with q ids first."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, dq_ref, where, seg, smem, bars,
-             free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dq_ref, where, seg, smem,
+             bars, free):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
@@ -334,6 +389,9 @@ def _dq_program(g: Geometry, dtype):
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
+      inv_keep = 1.0 / (1.0 - g.dropout_rate)
+      if g.dropout_rate:
+        row_keys = row(_row_keys(my_st.at[2], plgpu.Layout.WGMMA.reduce(1)))
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
 
@@ -342,6 +400,11 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         k_ids = kv_ids(slot, masked)
+        keep = None
+        if g.dropout_rate:
+          keep = dropout.keep_from_keys(row_keys, lax.broadcast_in_dim(
+              dropout_col_keys(seed_ref, _positions(bk, 1, s * bk)), (bq, bk), [1]),
+              g.dropout_rate)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
@@ -360,7 +423,7 @@ def _dq_program(g: Geometry, dtype):
             p = jnp.where(ok, p, 0.0)
           dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
           plgpu.barrier_arrive(v_free.at[slot])
-          ds = _dscores(p, dp, row(delta), tanh)
+          ds = _dscores(p, _dropped(keep, dp, inv_keep), row(delta), tanh)
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
 
         _, _, acc = pl.run_state(products)(
@@ -404,7 +467,7 @@ def _dq_program(g: Geometry, dtype):
   smem = (
       plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
       plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
-      plgpu.SMEM((2, 2, bq), jnp.float32),
+      plgpu.SMEM((2, _stat_rows(g), bq), jnp.float32),
       plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
       plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
   )
@@ -419,7 +482,7 @@ def _dq_tile(g: Geometry, index):
   return (g.num_q_tiles - 1) - index
 
 
-def dq(q, k, v, do, stats, g: Geometry, segments=()):
+def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
   """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
   block_q``, Sk to ``block_kv``); ``segments`` with the visible kv blocks per
   warpgroup row block. Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
@@ -429,15 +492,16 @@ def dq(q, k, v, do, stats, g: Geometry, segments=()):
   def entry(*refs):
     where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
              lax.axis_index("b"))
-    _run(kernel, scoped, refs[:5], refs[5 + n:], where, refs[5:5 + n])
+    ins, rest = _inputs(refs, seed)
+    _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
   return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype),
                  (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
-                     q, k, v, do, stats, *segments)
+                     q, k, v, do, stats, *_seed(seed), *segments)
 
 
 def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
-           seg_dkv=()):
+           seg_dkv=(), seed=None):
   """:func:`dq` and :func:`dkv` in one launch: every dK/dV CTA first (tiles
   fastest, so CTAs in flight share one head's Q and dO in L2), then every dQ CTA.
   The two grids' tails become one, filled by the shorter dQ CTAs. Returns ``(dq,
@@ -458,9 +522,9 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
 
   def entry(*refs):
     t = lax.axis_index("t")
-    ins = refs[:5]
-    dq_seg, dkv_seg = refs[5:5 + n1], refs[5 + n1:5 + n1 + n2]
-    dq_ref, dk_ref, dv_ref = refs[5 + n1 + n2:]
+    ins, rest = _inputs(refs, seed)
+    dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
+    dq_ref, dk_ref, dv_ref = rest[n1 + n2:]
 
     @pl.when(t < first_dq)
     def _():
@@ -476,4 +540,4 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
               jax.ShapeDtypeStruct(kv_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype))
   return _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
-      q, k, v, do, stats, *seg_dq, *seg_dkv)
+      q, k, v, do, stats, *_seed(seed), *seg_dq, *seg_dkv)

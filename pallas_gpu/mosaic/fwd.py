@@ -38,6 +38,11 @@ Skp]`` (the bias plus 0 / -inf for the mask, built in XLA), copied per step with
 K, ``block_q`` rows by ``block_kv`` keys per warpgroup, each on its own barrier;
 each warpgroup reads its tile into registers before K is released and adds it to the scaled
 logits, so every step guards rows that are still all -inf.
+
+Dropout (``Geometry.dropout_rate``): each warpgroup hashes its rows' keys
+(common/dropout.row_key, three of the four mixes) once per tile and each step's
+key terms once per step, then zeroes the dropped probabilities before PV; the
+row sum l keeps them all, and 1 / (1 - rate) scales the output.
 """
 
 from __future__ import annotations
@@ -48,13 +53,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat
+from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, tail_plan, tile_coords, tiles_of_cta, unit_tile,
-                            unit_walk)
+from .blocks import (Geometry, dropout_col_keys, dropout_row_keys, tail_plan,
+                     tile_coords, tiles_of_cta, unit_tile, unit_walk)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -73,13 +78,14 @@ def separate_out_smem(g: Geometry) -> bool:
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
-def forward(q, k, v, g: Geometry, segments=(), bias=None):
+def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded) ->
   ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
   ``segments`` (with ``g.segments``): q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` (int32)
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
   (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
-  operand ``[B|1, H|1, Sqp, Skp]``."""
+  operand ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
+  int32 words of ``dropout.kernel_seed(..., positions=True)``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
@@ -87,8 +93,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
   separate_o = separate_out_smem(g)
   tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, smem, bars, free,
-             sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
+             bars, free, sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
@@ -137,6 +143,23 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         if g.segments:
           q_ids = pipeline.slot_ids(qid_bar, qid_smem, wg,
                                     plgpu.Layout.WGMMA.reduce(1))
+        if g.dropout_rate:
+          # Three of the hash's four mixes depend on the row alone: once per tile.
+          row_keys = dropout_row_keys(seed_ref, b_idx, h, plgpu.broadcasted_iota(
+              jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + r0)
+
+        def dropped(p, s):
+          """p with the dropped probabilities zeroed (1 / (1 - rate) is applied
+          to the output)."""
+          if not g.dropout_rate:
+            return p
+          cols = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
+                                        layout=plgpu.Layout.WGMMA.reduce(0)) + s * bk
+          keep = dropout.keep_from_keys(
+              lax.broadcast_in_dim(row_keys, p.shape, [0]),
+              lax.broadcast_in_dim(dropout_col_keys(seed_ref, cols), p.shape, [1]),
+              g.dropout_rate)
+          return jnp.where(keep, p, 0.0)
 
         def bias_tile(slot, load=True):
           """This warpgroup's rows of the slot's additive tile (fp32 logits units
@@ -218,7 +241,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
           p = jnp.exp2(s2 * mult - lax.broadcast_in_dim(shift, s2.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l = l * alpha + p.sum(axis=1)
-          p16 = p.astype(dtype)
+          p16 = dropped(p, s).astype(dtype)
           acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
           plgpu.barrier_arrive(sched)
           plgpu.barrier_wait(v_bar.at[slot])
@@ -259,7 +282,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue
           pl.when(has_next)(lambda: load_q(u + ctas))
         has = l > 0.0
-        inv = 1.0 / jnp.where(has, l, 1.0)
+        inv = (1.0 / (1.0 - g.dropout_rate)) / jnp.where(has, l, 1.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
         # The previous tile's stores must have read the staging buffers.
@@ -341,7 +364,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  n_in = len(segments) + (bias is not None)
+  n_in = len(segments) + (bias is not None) + (seed is not None)
 
   if g.bias_dtype is not None:
     # 128-byte swizzled rows: 64 two-byte or 32 four-byte elements per tile row.
@@ -351,6 +374,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
   def entry(q_ref, k_ref, v_ref, *refs):
     seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[n_in:]
     bias_ref = refs[len(segments)] if bias is not None else None
+    seed_ref = refs[n_in - 1] if seed is not None else None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -376,8 +400,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
         seg, extra = (seg_refs,) + tuple(extra[:2]), extra[2:]
       if g.bias_dtype is not None:
         add = (bias_ref,) + tuple(extra[:2])
-      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, smem, bars, free,
-             sched)
+      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
+             bars, free, sched)
 
     pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
                   *seg_scoped, *bias_scoped, collective_axes="wg")
@@ -392,7 +416,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None):
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, *segments, *(() if bias is None else (bias,)))
+  )(q, k, v, *segments, *(() if bias is None else (bias,)),
+    *(() if seed is None else (seed,)))
   if tail is None:
     return outs
   out, lse, o_hi, o_lo, lse_part = outs

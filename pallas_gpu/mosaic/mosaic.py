@@ -7,8 +7,10 @@ take this forward's output and lse. Segment ids narrow every kernel's walk to th
 blocks the ids leave visible (common/segments.py). A bias or dense mask over
 whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
 blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
-dbias). Features the kernels lack (dropout, fp32, a bias or mask broadcast along
-Sq or Sk or with head dims over 128, a mask with a soft cap) raise
+dbias). Dropout runs in all three kernels, each hashing the global coordinates
+of its tiles with common/dropout.py (the backward's row keys come with the
+row stats). Features the kernels lack (fp32, a bias or mask broadcast along Sq
+or Sk or with head dims over 128, a mask with a soft cap) raise
 NotImplementedError, so the frontend routes those calls to the next platform
 (triton where installed, then Pallas-Triton).
 """
@@ -21,11 +23,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ...common import blocking, configs, epilogue, hardware, platform, segments, vjp
+from ...common import (blocking, configs, dropout, epilogue, hardware, platform,
+                       segments, vjp)
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
-from .blocks import Geometry
+from .blocks import Geometry, dropout_row_keys
 from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      has_additive_tile, padded_head_dim, uses_mosaic_backward)
@@ -33,10 +36,8 @@ from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
 NAME = "pallas-mosaic-gpu"
 CONFIG = MosaicConfig
 DTYPES = ("bfloat16", "float16")
-UNSUPPORTED = ("dropout",)
 CAPABILITIES = platform.Capabilities(
-    dtypes=DTYPES, max_head_dim=HEAD_DIMS[-1],
-    features=frozenset(spec_lib.FEATURES) - set(UNSUPPORTED))
+    dtypes=DTYPES, max_head_dim=HEAD_DIMS[-1], features=frozenset(spec_lib.FEATURES))
 
 
 def supported(spec: spec_lib.AttentionSpec) -> str | None:
@@ -79,7 +80,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       block_q=fwd.block_q, block_kv=fwd.block_kv, num_stages=fwd.num_stages,
       dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
       split_tail=fwd.split_tail and not spec.has_segment_ids,
-      segments=spec.has_segment_ids)
+      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:
@@ -96,7 +97,7 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       seq_k_padded=blocking.round_up(spec.seq_k, k_tile),
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
-      segments=spec.has_segment_ids)
+      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate)
   return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
                    **common),
           Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,
@@ -149,6 +150,14 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
           _pad_ids(ops.kv_segment_ids, g.seq_k_padded), table)
 
 
+def dropout_seed(ops, spec):
+  """The kernels' dropout operand: the int32 words of ``dropout.kernel_seed``
+  with sequence offsets (a ring hop's), or None without dropout."""
+  if not spec.dropout_rate:
+    return None
+  return dropout.kernel_seed(ops.dropout_seed, positions=True)
+
+
 def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton/decode.py).
@@ -160,7 +169,7 @@ def forward(ops, spec, static: platform.Static):
   out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                          _pad(ops.k, g.seq_k_padded, g.head_dim),
                          _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                         segment_operands(ops, g), tile)
+                         segment_operands(ops, g), tile, dropout_seed(ops, spec))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -172,17 +181,27 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   g_dq, g_dkv = backward_geometries(spec, static.config)
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
   row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
-  stats = jnp.stack([lse_rows * bwd.LOG2E, delta_rows], axis=2)
-  stats = stats.astype(jnp.float32)
+  rows = [lse_rows * bwd.LOG2E, delta_rows]
+  seed = dropout_seed(ops, spec)
+  if seed is not None:
+    # Each row's dropout key (three of the hash's four mixes) travels with its
+    # lse and delta, bitcast to fp32: the dK/dV kernel meets a new block of rows
+    # every step and would otherwise hash them there.
+    b, h, i = (jnp.arange(n, dtype=jnp.int32).reshape(
+        [n if a == ax else 1 for a in range(3)]) for ax, n in
+        enumerate(lse_rows.shape))
+    keys = dropout_row_keys(seed, b, h, i)
+    rows.append(jax.lax.bitcast_convert_type(keys, jnp.float32))
+  stats = jnp.stack(rows, axis=2).astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
-    dq, dk, dv = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv)
+    dq, dk, dv = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv, seed)
   else:
-    dq = bwd.dq(q, k, v, do, stats, g_dq, seg_dq)
-    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv)
+    dq = bwd.dq(q, k, v, do, stats, g_dq, seg_dq, seed)
+    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)

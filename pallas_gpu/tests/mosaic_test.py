@@ -178,6 +178,15 @@ VARIANTS = [
     # The forward's additive tile (the backward is Pallas-Triton's).
     dict(bias=True, causal=True), dict(mask=True, logits_soft_cap=None, seq_q=200),
     dict(bias=True, mask=True, dtype="float16"),
+    # Dropout in all three kernels (the row keys ride in the backward's stats),
+    # with the persistent split tail, grouped heads and two launches, segment
+    # ids, and beside the additive tile (Pallas-Triton backward).
+    dict(dropout=True, causal=True),
+    dict(dropout=True, seq_q=2048, seq_k=2000, heads_q=20, heads_kv=4, split_tail=True),
+    dict(dropout=True, seq_q=300, seq_k=200, heads_q=4, heads_kv=2,
+         bwd_one_launch=False),
+    dict(dropout=True, segment_ids=True, logits_soft_cap=20.0),
+    dict(dropout=True, bias=True, causal=True),
 ]
 
 
@@ -205,6 +214,9 @@ def test_every_variant_lowers_for_cuda(variant):
     arrays["bias"] = sd((1, hq, sq, sk), dtype)
   if kw.pop("mask", False):
     arrays["mask"] = sd((b, 1, sq, sk), jnp.bool_)
+  if kw.pop("dropout", False):
+    arrays["dropout_seed"] = sd((), jnp.int32)
+    kw["dropout_rate"] = 0.2
   names = tuple(arrays)
   extra = tuple(arrays.values())
   additive = "bias" in arrays or "mask" in arrays
@@ -301,7 +313,7 @@ def test_supported_reasons():
   assert "head dim 512" in mosaic.supported(s(d=512))
   assert mosaic.supported(s(segment_ids=(
       jax.ShapeDtypeStruct((1, 64), jnp.int32),) * 2)) is None
-  assert "dropout" in mosaic.supported(s(dropout_rate=0.1))
+  assert mosaic.supported(s(dropout_rate=0.1)) is None
   sd = jax.ShapeDtypeStruct
   assert mosaic.supported(s(bias=sd((1, 2, 64, 64), jnp.float32))) is None
   assert mosaic.supported(s(mask=sd((1, 1, 64, 64), jnp.bool_))) is None
@@ -359,7 +371,9 @@ def test_backward_kernel_choice():
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(sliding_window=(100, 20)),
-                                dict(seq_k=333, logits_soft_cap=20.0)], ids=str)
+                                dict(seq_k=333, logits_soft_cap=20.0),
+                                dict(causal=True, dropout_rate=0.2, dropout_seed=3)],
+                         ids=str)
 def test_one_launch_backward_equals_two_launches(kw):
   """The combined dQ + dK/dV launch runs the same arithmetic per CTA, so its
   gradients equal the two-launch ones bit for bit (and the reference's, within
