@@ -15,6 +15,10 @@ from flashjax.common import platform, reference, tolerances
 from flashjax.common import spec as spec_lib
 
 TOL = tolerances.forward("float32")
+# Tests of the CPU backend's platform order, fall-through reasons and backend
+# detection: on a GPU host the automatic choice differs and they do not apply.
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
+                              reason="asserts the CPU backend's platform choice")
 
 
 def _qkv(b=2, sq=96, sk=96, hq=4, hkv=2, d=32, seed=0, dtype=jnp.float32):
@@ -271,6 +275,7 @@ def test_automatic_choice_on_cpu_is_xla():
   assert registry.preferred_order("gpu")[-1] == "xla"
 
 
+@CPU_ONLY
 def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
   monkeypatch.setattr(registry, "preferred_order",
                       lambda backend: ["triton", "pallas-triton", "xla"])
@@ -291,6 +296,7 @@ def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
       why in msgs[0] for why in ("not installed", "does not import", "needs a GPU"))
 
 
+@CPU_ONLY
 def test_explicit_platform_that_cannot_run_raises_with_reason():
   q, k, v = _qkv()
   with pytest.raises(NotImplementedError, match="'triton'.*not for backend 'cpu'"):
@@ -310,6 +316,7 @@ def test_explicit_platform_that_cannot_run_raises_with_reason():
                              interpret=True)
 
 
+@CPU_ONLY
 def test_no_platform_left_reports_every_reason(monkeypatch):
   monkeypatch.setattr(registry, "preferred_order", lambda b: ["triton", "pallas-tpu"])
   q, k, v = _qkv()
@@ -318,6 +325,7 @@ def test_no_platform_left_reports_every_reason(monkeypatch):
   assert "triton" in str(e.value) and "pallas-tpu" in str(e.value)
 
 
+@CPU_ONLY
 def test_platform_environment_variable(monkeypatch):
   monkeypatch.setenv("FLASHJAX_PLATFORM", "triton")
   q, k, v = _qkv()
@@ -347,6 +355,7 @@ def test_every_platform_follows_the_protocol():
       assert registry.reason_unsupported(name, wide, backend) == f"{name}: {reason}"
 
 
+@CPU_ONLY
 def test_config_pins_the_automatic_choice_to_its_platform():
   """A config runs on its own platform or raises; it never reaches another."""
   from flashjax import pallas_tpu, xla_cpu
@@ -395,6 +404,7 @@ def test_vmap_over_an_extra_axis():
   _close(out[1], reference.attention(q * 0.5, k * 0.5, v * 0.5, causal=True))
 
 
+@CPU_ONLY
 def test_backend_detection_from_inputs():
   q, k, v = _qkv()
   assert api.detect_backend(None, q) == "cpu"
