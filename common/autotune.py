@@ -206,7 +206,8 @@ class Tuner:
 def random_run(spec, attention):
   """``run(config, with_grad) -> (jitted fn, inputs)`` for plain calls of
   ``spec``'s shape (features that need extra arrays are tuned without them: tiles
-  depend on shape, not on them)."""
+  depend on shape, not on them). Dropout needs none and is kept: its hash can
+  dominate a kernel's time."""
   def inputs():
     keys = jax.random.split(jax.random.key(0), 3)
     dt = jnp.dtype(spec.dtype)
@@ -219,6 +220,8 @@ def random_run(spec, attention):
   kwargs = dict(causal=spec.causal, softmax_scale=spec.softmax_scale,
                 sliding_window=None if spec.band.left is None and (
                     spec.band.right in (None, 0)) else (spec.band.left, spec.band.right))
+  if spec.dropout_rate:
+    kwargs.update(dropout_rate=spec.dropout_rate, dropout_seed=jnp.int32(0))
 
   def run(cfg, with_grad):
     f = lambda q, k, v: attention(q, k, v, config=cfg, **kwargs)

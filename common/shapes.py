@@ -29,6 +29,9 @@ class Shape:
   def __post_init__(self):
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+    if self.dropout_rate and (self.documents or self.page_size is not None):
+      raise ValueError("dropout_rate is for plain shapes: packed and KV-cache shapes "
+                       "run their own variants without it")
     p = self.page_size
     if p is not None and (p < 0 or p and self.seq_k % p):
       raise ValueError(f"page_size must be None, 0 (contiguous cache) or a positive "

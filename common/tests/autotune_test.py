@@ -78,3 +78,25 @@ def test_kernel_rounds_search_the_forward_then_the_backward_pairs():
   assert [c.fwd for c in first.candidates(base)] == list(fwd)
   assert all(c.dq == base.dq for c in first.candidates(base))
   assert [(c.dq, c.dkv) for c in second.candidates(base)] == list(bwd)
+
+
+def test_random_run_keeps_dropout_and_the_band():
+  """Tuning runs the call it tunes for: dropout (no extra arrays) is passed, so
+  its hash's cost counts, as are the band and scale."""
+  seen = {}
+
+  def attention(q, k, v, config, **kw):
+    seen.update(kw, config=config, q=q.shape)
+    return q
+
+  spec = spec_lib.abstract_spec(batch=1, seq_q=64, seq_k=64, heads_q=2, head_dim=32,
+                                causal=True, dropout_rate=0.25)
+  fn, inputs = autotune.random_run(spec, attention)("cfg", False)
+  fn(*inputs)
+  assert seen["dropout_rate"] == 0.25 and seen["dropout_seed"] is not None
+  assert seen["causal"] and seen["config"] == "cfg" and seen["q"] == (1, 64, 2, 32)
+  plain = dataclasses.replace(spec, dropout_rate=0.0)
+  seen.clear()
+  fn, inputs = autotune.random_run(plain, attention)("cfg", False)
+  fn(*inputs)
+  assert "dropout_rate" not in seen

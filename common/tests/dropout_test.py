@@ -27,10 +27,11 @@ def test_row_key_factorisation_is_the_same_function():
   key = dropout.row_key(jnp.uint32(5), b[..., :1], h[..., :1], i[..., :1])
   np.testing.assert_array_equal(dropout.keep_from_row_key(key, j, 0.3),
                                 dropout.keep(jnp.uint32(5), b, h, i, j, 0.3))
-  # Row keys and key terms as separate vectors (as the Mosaic kernels hold them).
+  # Row keys and key terms as separate vectors (as the Mosaic kernels hold
+  # them), against the NumPy version, which shares no code with them.
   np.testing.assert_array_equal(
       dropout.keep_from_keys(key, dropout.col_key(j[..., :1, :]), 0.3),
-      dropout.keep(jnp.uint32(5), b, h, i, j, 0.3))
+      dropout.keep_numpy(5, b, h, i, j, 0.3))
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.7])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
@@ -122,6 +123,41 @@ def dropout_col_keys(seed, cols):
   """``dropout.col_key`` of local key positions ``cols``, shifted by the key
   offset in ``seed``."""
   return dropout.col_key(cols + seed[4])
+
+
+# Row keys travel to the backward kernels in their fp32 row stats as two exact
+# halves of 16 bits: a uint32 bitcast to fp32 would make NaN patterns (~0.4% of
+# keys), which jax_debug_nans and checkify report as errors.
+KEY_HALF = 1 << 16
+
+
+def dropout_key_halves(keys):
+  """uint32 row keys -> ``(high, low)`` 16-bit halves as exact fp32 values."""
+  return ((keys >> 16).astype(jnp.float32), (keys & (KEY_HALF - 1)).astype(jnp.float32))
+
+
+def dropout_keys_from_halves(high, low):
+  """The inverse of :func:`dropout_key_halves` (in XLA or in a kernel)."""
+  bits = lax.shift_left(high.astype(jnp.int32), 16) | low.astype(jnp.int32)
+  return lax.bitcast_convert_type(bits, jnp.uint32)
+
+
+def positions(n, tile_dim, start):
+  """``start + [0, n)`` along dimension ``tile_dim`` of a kernel's WGMMA tile, in
+  the layout that broadcasts into it."""
+  return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(
+      1 - tile_dim)) + start
+
+
+def dropout_keep(g: Geometry, row_keys, col_keys, row_dim: int):
+  """Keep mask of a kernel tile whose rows (queries) lie along ``row_dim`` (1 in
+  the dK/dV kernel's transposed tiles): the vectors of row keys and key terms
+  broadcast against each other into ``dropout.keep_from_keys``."""
+  shape = ((row_keys.shape[0], col_keys.shape[0]) if row_dim == 0 else
+           (col_keys.shape[0], row_keys.shape[0]))
+  return dropout.keep_from_keys(lax.broadcast_in_dim(row_keys, shape, [row_dim]),
+                                lax.broadcast_in_dim(col_keys, shape, [1 - row_dim]),
+                                g.dropout_rate)
 
 
 def tail_plan(g: Geometry) -> split_tail.Tail | None:

@@ -35,8 +35,8 @@ warpgroup block), blocks of more than the warpgroup's own id are masked; the ids
 rows (keys) come once, the streamed side's with each slot.
 
 Dropout (``Geometry.dropout_rate``): each row's dropout key (common/dropout.py,
-hashed in XLA) rides in the row stats as a third row, so the dK/dV kernel, which
-meets new rows every step, does one mix per element like the dQ kernel. dV takes
+hashed in XLA) rides in the row stats as two exact 16-bit halves, so the dK/dV
+kernel, which meets new rows every step, and the dQ kernel do one mix per element. dV takes
 the kept probabilities and dS the kept dP, both scaled by 1 / (1 - rate).
 """
 
@@ -48,11 +48,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat, dropout
+from ...common import compat
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
-from .blocks import Geometry, cta_block_ranges, cta_q_ranges, dropout_col_keys
+from .blocks import (Geometry, cta_block_ranges, cta_q_ranges, dropout_col_keys,
+                     dropout_keep, dropout_keys_from_halves, positions)
 
 
 def _probs(scores, lse2, g: Geometry):
@@ -74,22 +75,16 @@ def _index(shape, dim, start):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + start
 
 
-def _positions(n, tile_dim, start):
-  """``start + [0, n)`` along dimension ``tile_dim`` of a WGMMA tile (the layout
-  that broadcasts into it)."""
-  return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(
-      1 - tile_dim)) + start
-
-
 def _stat_rows(g: Geometry) -> int:
-  """Rows of the per-row stats: lse (log2 units) and delta, and with dropout each
-  row's dropout key bitcast to fp32 (mosaic.backward)."""
-  return 3 if g.dropout_rate else 2
+  """Rows of the per-row stats: lse (log2 units) and delta, and with dropout the
+  two 16-bit halves of each row's dropout key (mosaic.backward)."""
+  return 4 if g.dropout_rate else 2
 
 
-def _row_keys(st_row, layout):
-  """The dropout row keys of a stats row in shared memory."""
-  return lax.bitcast_convert_type(compat.mgpu_load(st_row, layout), jnp.uint32)
+def _load_row_keys(st, layout):
+  """The dropout row keys from rows 2 and 3 of a block's stats in shared memory."""
+  return dropout_keys_from_halves(compat.mgpu_load(st.at[2], layout),
+                                  compat.mgpu_load(st.at[3], layout))
 
 
 def _dropped(keep, x, scale=None):
@@ -139,9 +134,10 @@ def _segment_parts(g: Geometry, seg, b_idx):
 
 def _dkv_program(g: Geometry, dtype):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
-  ``kernel(q, k, v, do, stats, dk, dv, (tile, head, batch), seg, *scoped)`` for
-  key tile ``tile`` of one (query head, batch); ``seg``: the segment refs (kv
-  ids, q ids, table), shared memory and barriers, or None."""
+  ``kernel(q, k, v, do, stats, seed, dk, dv, (tile, head, batch), seg, *scoped)``
+  for key tile ``tile`` of one (query head, batch); ``seed``: the dropout words
+  (or None); ``seg``: the segment refs (kv ids, q ids, table), shared memory and
+  barriers, or None."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
@@ -184,8 +180,7 @@ def _dkv_program(g: Geometry, dtype):
       inv_keep = 1.0 / (1.0 - g.dropout_rate)
       if g.dropout_rate:
         # The keys are this warpgroup's own: their hash terms once per CTA.
-        key_terms = lax.broadcast_in_dim(
-            dropout_col_keys(seed_ref, _positions(bk, 0, k0)), (bk, bq), [0])
+        key_terms = dropout_col_keys(seed_ref, positions(bk, 0, k0))
 
       def step(s, carry, masked: bool):
         dk, dv = carry
@@ -204,9 +199,9 @@ def _dkv_program(g: Geometry, dtype):
         pt, tanh = _probs(st, col(lse2), g)
         keep = None
         if g.dropout_rate:
-          keep = dropout.keep_from_keys(
-              col(_row_keys(st_smem.at[slot, 2], plgpu.Layout.WGMMA.reduce(0))),
-              key_terms, g.dropout_rate)
+          keep = dropout_keep(g, _load_row_keys(st_smem.at[slot],
+                                                plgpu.Layout.WGMMA.reduce(0)),
+                              key_terms, 1)
         qi = q_ids(slot, masked)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
@@ -224,7 +219,8 @@ def _dkv_program(g: Geometry, dtype):
           # cores busy during the dS arithmetic; dO is free once dV is done.
           dpt_ref, dv_ref, dk_ref = refs
           plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(my_do, (1, 0)))
-          # dV takes the kept probabilities; 1 / (1 - rate) is applied to dV.
+          # dV takes the kept probabilities; 1 / (1 - rate) scales the fp32 dV
+          # accumulator once at the end instead of every element.
           plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), my_do)
           dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
           dst = _dscores(pt, _dropped(keep, dpt, inv_keep), col(delta), tanh)
@@ -330,7 +326,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
   visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
   (mosaic.segment_operands), or (); ``seed`` with dropout: the int32 words of
   ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
-  row's dropout key as a third row. Returns ``dk, dv [B, Skp, Hq, D]`` per
+  row's dropout key in two more rows. Returns ``dk, dv [B, Skp, Hq, D]`` per
   query head (q's dtype)."""
   scoped, kernel = _dkv_program(g, q.dtype)
   n = len(segments)
@@ -347,7 +343,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
 
 
 def _dq_program(g: Geometry, dtype):
-  """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, dq, (tile,
+  """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, seed, dq, (tile,
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
   :func:`_dkv_program` with q ids first."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
@@ -391,7 +387,7 @@ def _dq_program(g: Geometry, dtype):
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
       inv_keep = 1.0 / (1.0 - g.dropout_rate)
       if g.dropout_rate:
-        row_keys = row(_row_keys(my_st.at[2], plgpu.Layout.WGMMA.reduce(1)))
+        row_keys = _load_row_keys(my_st, plgpu.Layout.WGMMA.reduce(1))
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
 
@@ -402,9 +398,8 @@ def _dq_program(g: Geometry, dtype):
         k_ids = kv_ids(slot, masked)
         keep = None
         if g.dropout_rate:
-          keep = dropout.keep_from_keys(row_keys, lax.broadcast_in_dim(
-              dropout_col_keys(seed_ref, _positions(bk, 1, s * bk)), (bq, bk), [1]),
-              g.dropout_rate)
+          keep = dropout_keep(g, row_keys,
+                              dropout_col_keys(seed_ref, positions(bk, 1, s * bk)), 0)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.

@@ -53,13 +53,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat, dropout
+from ...common import compat
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, dropout_col_keys, dropout_row_keys, tail_plan,
-                     tile_coords, tiles_of_cta, unit_tile, unit_walk)
+from .blocks import (Geometry, dropout_col_keys, dropout_keep, dropout_row_keys,
+                     positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
+                     unit_walk)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -145,21 +146,15 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
                                     plgpu.Layout.WGMMA.reduce(1))
         if g.dropout_rate:
           # Three of the hash's four mixes depend on the row alone: once per tile.
-          row_keys = dropout_row_keys(seed_ref, b_idx, h, plgpu.broadcasted_iota(
-              jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + r0)
+          row_keys = dropout_row_keys(seed_ref, b_idx, h, positions(bq, 0, r0))
 
         def dropped(p, s):
-          """p with the dropped probabilities zeroed (1 / (1 - rate) is applied
-          to the output)."""
+          """p with step ``s``'s dropped probabilities zeroed (1 / (1 - rate)
+          scales the output once, not every element)."""
           if not g.dropout_rate:
             return p
-          cols = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
-                                        layout=plgpu.Layout.WGMMA.reduce(0)) + s * bk
-          keep = dropout.keep_from_keys(
-              lax.broadcast_in_dim(row_keys, p.shape, [0]),
-              lax.broadcast_in_dim(dropout_col_keys(seed_ref, cols), p.shape, [1]),
-              g.dropout_rate)
-          return jnp.where(keep, p, 0.0)
+          col_keys = dropout_col_keys(seed_ref, positions(bk, 1, s * bk))
+          return jnp.where(dropout_keep(g, row_keys, col_keys, 0), p, 0.0)
 
         def bias_tile(slot, load=True):
           """This warpgroup's rows of the slot's additive tile (fp32 logits units

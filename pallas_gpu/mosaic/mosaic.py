@@ -28,7 +28,7 @@ from ...common import (blocking, configs, dropout, epilogue, hardware, platform,
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
-from .blocks import Geometry, dropout_row_keys
+from .blocks import Geometry, dropout_key_halves, dropout_row_keys
 from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      has_additive_tile, padded_head_dim, uses_mosaic_backward)
@@ -150,7 +150,7 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
           _pad_ids(ops.kv_segment_ids, g.seq_k_padded), table)
 
 
-def dropout_seed(ops, spec):
+def dropout_words(ops, spec):
   """The kernels' dropout operand: the int32 words of ``dropout.kernel_seed``
   with sequence offsets (a ring hop's), or None without dropout."""
   if not spec.dropout_rate:
@@ -169,7 +169,7 @@ def forward(ops, spec, static: platform.Static):
   out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
                          _pad(ops.k, g.seq_k_padded, g.head_dim),
                          _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                         segment_operands(ops, g), tile, dropout_seed(ops, spec))
+                         segment_operands(ops, g), tile, dropout_words(ops, spec))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -182,16 +182,15 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
   row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
   rows = [lse_rows * bwd.LOG2E, delta_rows]
-  seed = dropout_seed(ops, spec)
+  seed = dropout_words(ops, spec)
   if seed is not None:
     # Each row's dropout key (three of the hash's four mixes) travels with its
-    # lse and delta, bitcast to fp32: the dK/dV kernel meets a new block of rows
-    # every step and would otherwise hash them there.
+    # lse and delta: the dK/dV kernel meets a new block of rows every step and
+    # would otherwise hash them there.
     b, h, i = (jnp.arange(n, dtype=jnp.int32).reshape(
         [n if a == ax else 1 for a in range(3)]) for ax, n in
         enumerate(lse_rows.shape))
-    keys = dropout_row_keys(seed, b, h, i)
-    rows.append(jax.lax.bitcast_convert_type(keys, jnp.float32))
+    rows.extend(dropout_key_halves(dropout_row_keys(seed, b, h, i)))
   stats = jnp.stack(rows, axis=2).astype(jnp.float32)
   q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
   k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
@@ -248,6 +247,6 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        per_shard=True)
 
 
-# The contract minus dropout, fp32, and a bias or mask broadcast along Sq or Sk
+# The contract minus fp32 and a bias or mask broadcast along Sq or Sk
 # (CAPABILITIES, supported).
 flash_attention = platform.entry(NAME, attention_from_operands, CAPABILITIES)

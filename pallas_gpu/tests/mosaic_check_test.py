@@ -26,9 +26,14 @@ CASES = [
                                                   logits_soft_cap=20.0),
     dict(S=384, D=128, sinks=True, causal=True), dict(S=2048, D=128, causal=True, B=2),
     dict(S=200, D=64, sliding_window=(0, 0)),
+    # Dropout: at D = 64 over 2304 keys the default persistent forward splits its
+    # last round by keys (the parts merged after); at D = 256 the Pallas-Triton
+    # backward hashes beside the Mosaic forward.
+    dict(S=2304, D=64, dropout_rate=0.2, dropout_seed=7),
+    dict(S=512, D=256, causal=True, dropout_rate=0.1, dropout_seed=3),
 ]
 
-GRAD_CASES = (1, 2, 3, 4, 5, 6, 7, 9)
+GRAD_CASES = (1, 2, 3, 4, 5, 6, 7, 9, 10, 11)
 
 
 def rel(a, b, floor_rms=1e-3):

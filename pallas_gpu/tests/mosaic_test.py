@@ -187,6 +187,7 @@ VARIANTS = [
          bwd_one_launch=False),
     dict(dropout=True, segment_ids=True, logits_soft_cap=20.0),
     dict(dropout=True, bias=True, causal=True),
+    dict(dropout=True, head_dim=256, sliding_window=(64, 0)),
 ]
 
 
@@ -303,6 +304,31 @@ def test_register_split_per_kernel(monkeypatch, kw, head_dim, wide):
   assert lower("fwd") == narrow
   # The backward's trace holds the forward's kernel too.
   assert lower("bwd") == narrow | (wide_split if wide else set())
+
+
+def test_dropout_keys_with_offsets_and_their_fp32_halves():
+  """The kernels' dropout factors (blocks.dropout_row_keys / dropout_col_keys,
+  with a position seed's batch, head, row and key offsets, some wrapping past
+  2**32) give the NumPy keep-mask of the global coordinates; row keys survive
+  the backward's fp32 stats as 16-bit halves, NaN bit patterns included."""
+  import numpy as np
+  from flashjax.common import dropout
+  b0, h0, i0, j0 = 3, 2**31 + 5, 2**32 - 40, 2**32 - 7
+  words = dropout.kernel_seed(dropout.position_seed(
+      jnp.int32(-9), *(np.uint32(x) for x in (b0, h0, i0, j0))), positions=True)
+  b, h = 1, 2
+  rows, cols = jnp.arange(64, dtype=jnp.int32), jnp.arange(96, dtype=jnp.int32)
+  row_keys = mosaic_blocks.dropout_row_keys(words, b, h, rows)
+  col_keys = mosaic_blocks.dropout_col_keys(words, cols)
+  got = dropout.keep_from_keys(row_keys[:, None], col_keys[None, :], 0.3)
+  u = lambda x: np.uint64(x) % 2**32
+  want = dropout.keep_numpy(-9, u(b + b0), u(h + h0), (np.arange(64)[:, None] + i0) % 2**32,
+                            (np.arange(96)[None, :] + j0) % 2**32, 0.3)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  keys = jnp.asarray([0, 1, 0x7FC00000, 0xFFFFFFFF, 0x80000000, 0x7F800001], jnp.uint32)
+  halves = mosaic_blocks.dropout_key_halves(keys)
+  assert all(bool(jnp.isfinite(x).all()) for x in halves)
+  np.testing.assert_array_equal(mosaic_blocks.dropout_keys_from_halves(*halves), keys)
 
 
 def test_supported_reasons():
