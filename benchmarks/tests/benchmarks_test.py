@@ -362,8 +362,11 @@ def test_cli_runs_kvcache_shapes_with_the_copy_limit(tmp_path, capsys, monkeypat
   for r in rows:
     if r["direction"] == "fwd":
       assert r["status"] == "ok" and float(r["x_copy"]) > 0
-      # The header's copy bandwidth is rounded to whole GB/s.
-      assert float(r["x_copy"]) * copy == pytest.approx(float(r["gbs"]), rel=0.5 / copy + 1e-9)
+      # The header's copy bandwidth is rounded to whole GB/s: off by at most 0.5
+      # GB/s, so x_copy times it is off by at most 0.5 x_copy GB/s (a loaded
+      # 2-core machine copies at a few GB/s, where that is over 10%).
+      x = float(r["x_copy"])
+      assert x * copy == pytest.approx(float(r["gbs"]), abs=0.5 * x + 1e-9)
     else:
       assert r["status"] == kvcache.SKIPPED and not r["x_copy"]
   md = (tmp_path / "results.md").read_text()
