@@ -36,8 +36,9 @@ rows (keys) come once, the streamed side's with each slot.
 
 Dropout (``Geometry.dropout_rate``): each row's dropout key (common/dropout.py,
 hashed in XLA) rides in the row stats as two exact 16-bit halves, so the dK/dV
-kernel, which meets new rows every step, and the dQ kernel do one mix per element. dV takes
-the kept probabilities and dS the kept dP, both scaled by 1 / (1 - rate).
+kernel, which meets new rows every step, and the dQ kernel do one mix per
+element. dV takes the kept probabilities and dS the kept dP, both scaled by
+1 / (1 - rate).
 """
 
 from __future__ import annotations
