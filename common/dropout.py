@@ -67,10 +67,15 @@ def col_key(j):
   return _u32(j) * jnp.uint32(_K_COL)
 
 
-def keep_from_keys(row, col, rate: float):
+def keep_from_keys(row, col, rate: float, unsigned_compare: bool = False):
   """Keep-mask for row keys ``row`` (:func:`row_key`) and key terms ``col``
-  (:func:`col_key`), broadcast against each other."""
+  (:func:`col_key`), broadcast against each other. ``unsigned_compare``: the
+  same decision as ``bits >= threshold * 2**8`` on the whole uint32, one shift
+  fewer per element, for a backend known to compare uint32 unsigned (Mosaic-GPU,
+  where the hash bounds the kernel's speed)."""
   bits = fmix32(row ^ col)
+  if unsigned_compare:
+    return bits >= jnp.uint32(threshold(rate) << 8)
   top = jax.lax.bitcast_convert_type(bits >> 8, jnp.int32)
   return top >= jnp.int32(threshold(rate))
 

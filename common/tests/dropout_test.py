@@ -29,9 +29,12 @@ def test_row_key_factorisation_is_the_same_function():
                                 dropout.keep(jnp.uint32(5), b, h, i, j, 0.3))
   # Row keys and key terms as separate vectors (as the Mosaic kernels hold
   # them), against the NumPy version, which shares no code with them.
-  np.testing.assert_array_equal(
-      dropout.keep_from_keys(key, dropout.col_key(j[..., :1, :]), 0.3),
-      dropout.keep_numpy(5, b, h, i, j, 0.3))
+  for rate in (0.0, 0.3, 0.9, 1 - 2**-25):
+    for unsigned in (False, True):
+      np.testing.assert_array_equal(
+          dropout.keep_from_keys(key, dropout.col_key(j[..., :1, :]), rate,
+                                 unsigned_compare=unsigned),
+          dropout.keep_numpy(5, b, h, i, j, rate))
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.7])

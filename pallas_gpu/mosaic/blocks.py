@@ -157,7 +157,7 @@ def dropout_keep(g: Geometry, row_keys, col_keys, row_dim: int):
            (col_keys.shape[0], row_keys.shape[0]))
   return dropout.keep_from_keys(lax.broadcast_in_dim(row_keys, shape, [row_dim]),
                                 lax.broadcast_in_dim(col_keys, shape, [1 - row_dim]),
-                                g.dropout_rate)
+                                g.dropout_rate, unsigned_compare=True)
 
 
 def tail_plan(g: Geometry) -> split_tail.Tail | None:
