@@ -468,14 +468,13 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
       return functools.reduce(_merge, [(o, l) for _, o, l in parts])
     # Calls over some chunks' rows: merged chunk by chunk, then concatenated.
     blank = empty(*jax.tree.leaves(kv))
-    chunk = lambda x, a, axis: jax.lax.slice_in_dim(x, a * ring.cq, (a + 1) * ring.cq,
-                                                    axis=axis)
     pieces = []
     for a in range(plan.num_chunks):
-      mine = [(chunk(o, a - r[0], 1), chunk(l, a - r[0], 2))
+      at = lambda start: (a - start, a - start + 1)  # chunk a within a call's rows
+      mine = [(ring.q_rows(o, at(r[0])), ring.q_rows(l, at(r[0]), axis=2))
               for r, o, l in parts if r[0] <= a < r[1]]
       pieces.append(functools.reduce(_merge, mine) if mine else
-                    (chunk(blank[0], a, 1), chunk(blank[1], a, 2)))
+                    (ring.q_rows(blank[0], at(0)), ring.q_rows(blank[1], at(0), axis=2)))
     return (jnp.concatenate([o for o, _ in pieces], axis=1),
             jnp.concatenate([l for _, l in pieces], axis=2))
 
