@@ -402,12 +402,49 @@ class _Ring:
         q_segment_ids=self.q_rows(ops.q_segment_ids, rows),
         kv_segment_ids=self.kv_rows(kv_ids, keys), dropout_seed=seed)
 
+  def calls(self, hops):
+    """The calls (``RingPlan.hop_calls``) of every device at each of ``hops``."""
+    return [[self.plan.hop_calls(r, hop, self.cq, self.ck, self.positions)
+             for r in range(self.n)] for hop in hops]
+
+  def result_dtype(self, hops, side: int, dtype):
+    """The dtype of a hop's result over the rows (``side`` 0) or keys (1) of
+    ``hops``: the kernels' ``dtype`` where no two calls of a hop share a chunk
+    on that side (a result is the kernels' outputs side by side), float32
+    where some do (they are summed or merged). A hop's result then leaves its
+    ``lax.switch`` unconverted, and the conversion fuses into the accumulation
+    after it; converted in the branch it was a copy of its own (two of 25 us
+    per backward hop, 8k rows per GPU on four H200s, 2026-11-26)."""
+    f32 = jnp.promote_types(dtype, jnp.float32)
+    for per_device in self.calls(hops):
+      for calls in per_device:
+        seen = set()
+        for call in calls or ():
+          chunks = set(range(*call[side]))
+          if seen & chunks:
+            return f32
+          seen |= chunks
+    return jnp.dtype(dtype)
+
+  def by_chunks(self, parts, combine, blank, axes, size):
+    """One result over all chunks from ``parts``, a list of ``(range, tree)``
+    whose ranges cover some chunks (``tree``'s leaves split along ``axes``, one
+    chunk every ``size``): per chunk the ``combine`` of the parts over it, or
+    ``blank(a)`` (chunk ``a``'s tree) where none is, concatenated."""
+    if all(r == self.all for r, _ in parts):
+      return functools.reduce(combine, [x for _, x in parts])
+    pieces = []
+    for a in range(self.plan.num_chunks):
+      mine = [jax.tree.map(lambda x, ax, r=r: jax.lax.slice_in_dim(
+                  x, (a - r[0]) * size, (a - r[0] + 1) * size, axis=ax), x, axes)
+              for r, x in parts if r[0] <= a < r[1]]
+      pieces.append(functools.reduce(combine, mine) if mine else blank(a))
+    return jax.tree.map(lambda ax, *xs: jnp.concatenate(xs, axis=ax), axes, *pieces)
+
   def switch(self, hops, t, run, empty, *args):
     """``run(calls, *args)`` with the calls (``RingPlan.hop_calls``) of device
     ``r`` at hop ``hops[t]``; ``empty(*args)`` where it has none."""
-    calls = [[self.plan.hop_calls(r, hop, self.cq, self.ck, self.positions)
-              for r in range(self.n)] for hop in hops]
-    return band_switch(calls, (t, self.r), run, empty, *args)
+    return band_switch(self.calls(hops), (t, self.r), run, empty, *args)
 
   def hops(self, step, carry, message):
     """Runs ``step(hops, t, block, carry) -> carry`` over the ring's hops, hop
@@ -433,10 +470,11 @@ class _Ring:
 def _merge(acc, part):
   """Two partial softmax results over disjoint keys, as one (fp32)."""
   (o1, l1), (o2, l2) = acc, part
+  f32 = jnp.promote_types(o1.dtype, jnp.float32)
   lse = jnp.logaddexp(l1, l2)
   w = lambda l: jnp.swapaxes(jnp.where(jnp.isfinite(l), jnp.exp(l - lse), 0.0),
                              1, 2)[..., None]
-  return o1 * w(l1) + o2 * w(l2), lse
+  return o1.astype(f32) * w(l1) + o2.astype(f32) * w(l2), lse
 
 
 def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
@@ -451,37 +489,33 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
   f32 = jnp.promote_types(ops.q.dtype, jnp.float32)
   out_shape = ops.q.shape[:3] + (spec.head_dim_v,)
 
-  def empty(*refs):
-    return (vary_like(jnp.zeros(out_shape, f32), ops.q, *refs),
-            vary_like(jnp.full((spec.batch, spec.heads_q, spec.seq_q), -jnp.inf, f32),
+  def empty(dtype, rows, *refs):
+    return (vary_like(jnp.zeros(out_shape[:1] + (rows,) + out_shape[2:], dtype),
+                      ops.q, *refs),
+            vary_like(jnp.full((spec.batch, spec.heads_q, rows), -jnp.inf, f32),
                       ops.q, *refs))
 
-  def run(calls, kv, at):
+  def run(dtype, calls, kv, at):
     """This device's (out, lse) over all its rows against the block ``kv``."""
     parts = []
     for rows, keys, band in calls:
       sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
       fwd, _, config = kernel(sub, hs)
       out, lse = fwd(sub, hs, config)
-      parts.append((rows, out.astype(f32), lse.astype(f32)))
-    if all(rows == ring.all for rows, _, _ in parts):
-      return functools.reduce(_merge, [(o, l) for _, o, l in parts])
+      parts.append((rows, (out, lse.astype(f32))))
     # Calls over some chunks' rows: merged chunk by chunk, then concatenated.
-    blank = empty(*jax.tree.leaves(kv))
-    pieces = []
-    for a in range(plan.num_chunks):
-      at = lambda start: (a - start, a - start + 1)  # chunk a within a call's rows
-      mine = [(ring.q_rows(o, at(r[0])), ring.q_rows(l, at(r[0]), axis=2))
-              for r, o, l in parts if r[0] <= a < r[1]]
-      pieces.append(functools.reduce(_merge, mine) if mine else
-                    (ring.q_rows(blank[0], at(0)), ring.q_rows(blank[1], at(0), axis=2)))
-    return (jnp.concatenate([o for o, _ in pieces], axis=1),
-            jnp.concatenate([l for _, l in pieces], axis=2))
+    out, lse = ring.by_chunks(
+        parts, _merge, lambda a: empty(dtype, ring.cq, *jax.tree.leaves(kv)),
+        (1, 2), ring.cq)
+    return out.astype(dtype), lse
 
   def step(hops, t, kv, acc):
-    part = ring.switch(hops, t, run, lambda kv, at: empty(*jax.tree.leaves(kv)),
-                       kv, hops[0] + t)
-    return part if acc is None else _merge(acc, part)
+    dtype = ring.result_dtype(hops, 0, ops.q.dtype)
+    part = ring.switch(
+        hops, t, functools.partial(run, dtype),
+        lambda kv, at: empty(dtype, spec.seq_q, *jax.tree.leaves(kv)), kv, hops[0] + t)
+    # The accumulator is fp32 from the first hop on (a scan carries it).
+    return (part[0].astype(f32), part[1]) if acc is None else _merge(acc, part)
 
   # Hop 0 runs before any scan, so its result starts the accumulator.
   out, lse = ring.hops(step, None, ring.kv_leaves(ops))
@@ -507,32 +541,41 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
   refs = (ops.q, ops.k, do, lse)
   like = lambda x: vary_like(jnp.zeros(x.shape, f32), *refs)
 
-  def add(acc, g, rows, size, zero):
-    """``acc`` (``zero()`` when None) plus ``g`` at the chunk range ``rows``."""
+  def add(acc, g, rows, size):
+    """``acc`` plus ``g`` at the chunk range ``rows``."""
     g = g.astype(f32)
     if rows == ring.all:
-      return g if acc is None else acc + g
-    acc = zero() if acc is None else acc
+      return acc + g
     return acc.at[:, rows[0] * size:rows[1] * size].add(g)
 
-  def run(calls, kv, at, dq, dbias):
-    """dq and dbias with this hop's parts added, and the dK/dV of the block."""
-    dk = dv = None
+  def zeros(x, dtype, keys):
+    return vary_like(jnp.zeros(x.shape[:1] + (keys,) + x.shape[2:], dtype), *refs)
+
+  def run(dtype, calls, kv, at, dq, dbias):
+    """dq and dbias with this hop's parts added, and the dK/dV of the block
+    (``dtype``: ``_Ring.result_dtype``)."""
+    dkv = []
     for rows, keys, band in calls:
       sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
       _, bwd, config = kernel(sub, hs)
       g = bwd(sub, hs, config, ring.q_rows(out, rows), ring.q_rows(lse, rows, 2),
               ring.q_rows(do, rows), ring.q_rows(dlse, rows, 2))
-      dq = add(dq, g.q, rows, ring.cq, None)
-      dk = add(dk, g.k, keys, ring.ck, lambda: like(ops.k))
-      dv = add(dv, g.v, keys, ring.ck, lambda: like(ops.v))
+      dq = add(dq, g.q, rows, ring.cq)
+      dkv.append((keys, (g.k, g.v)))
       if dbias is not None:
         dbias = _add_block(dbias, g.bias.astype(f32), ring, at, rows, keys)
-    return dq, dk, dv, dbias
+    dk, dv = ring.by_chunks(
+        dkv, lambda a, b: (a[0].astype(f32) + b[0], a[1].astype(f32) + b[1]),
+        lambda a: (zeros(ops.k, dtype, ring.ck), zeros(ops.v, dtype, ring.ck)),
+        (1, 1), ring.ck)
+    return dq, dk.astype(dtype), dv.astype(dtype), dbias
 
   def step(hops, t, kv, dq, dbias):
+    dtype = ring.result_dtype(hops, 1, ops.k.dtype)
     dq, dk, dv, dbias = ring.switch(
-        hops, t, run, lambda kv, at, dq, dbias: (dq, like(ops.k), like(ops.v), dbias),
+        hops, t, functools.partial(run, dtype),
+        lambda kv, at, dq, dbias: (dq, zeros(ops.k, dtype, spec.seq_k),
+                                   zeros(ops.v, dtype, spec.seq_k), dbias),
         kv, hops[0] + t, dq, dbias)
     return [dk, dv], dq, dbias
 

@@ -168,3 +168,37 @@ def test_packet_round_trip():
     assert g.dtype == x.dtype and g.shape == x.shape
     np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
   assert ring.Packet.of(xs[:3]).unit == jnp.uint16
+
+
+def _result_dtypes(plan, positions, hops):
+  """``_Ring.result_dtype`` of the rows and of the keys of ``hops`` (bf16
+  kernels), on device 0 of a 4-device axis bound by ``vmap``."""
+  from flashjax.common.spec import AttentionSpec
+  spec = AttentionSpec(batch=1, seq_q=16, seq_k=16, heads_q=1, heads_kv=1,
+                       head_dim=8, head_dim_v=8, dtype="bfloat16",
+                       softmax_scale=1.0, band=plan.band)
+  got = []
+
+  def f(x):
+    r = ring._Ring(plan, spec, positions)
+    got.append([r.result_dtype(hops, side, jnp.bfloat16) for side in (0, 1)])
+    return x
+
+  jax.vmap(f, axis_name="seq")(jnp.zeros(4))
+  return got[0]
+
+
+def test_hop_results_keep_the_kernels_dtype_unless_calls_share_a_chunk():
+  # Causal zigzag: one call per hop, so no hop sums or merges parts and its
+  # results stay bf16 (the fp32 conversion fuses into the accumulation).
+  causal = _plan("zigzag", Band(seq_q=64, seq_k=64, right=0))
+  assert _result_dtypes(causal, False, [1, 2]) == [jnp.bfloat16] * 2
+  # With dropout device 0's own block is three pair calls: two share row chunk
+  # 1 (merged) and two share key chunk 0 (summed), so both sides are fp32.
+  assert _result_dtypes(causal, True, [0]) == [jnp.float32] * 2
+  # Full attention in zigzag with dropout: pairs over rows and keys at each hop.
+  full = _plan("zigzag", Band(seq_q=64, seq_k=64))
+  assert _result_dtypes(full, True, [1]) == [jnp.float32] * 2
+  # A contiguous ring has one chunk: one call at most, never shared.
+  assert _result_dtypes(_plan("contiguous", Band(seq_q=64, seq_k=64, right=0)),
+                        True, [0, 1, 2, 3]) == [jnp.bfloat16] * 2
