@@ -6,7 +6,11 @@
 # under $OUT (default /tmp/out), one file per run.
 #   bash tools/ring_gpu_runs.sh [--dry-run] [MAX_GPUS]
 # Each run has its own limit (RUN_LIMIT seconds, default 500), so one slow run
-# does not take the others' time; --dry-run prints the commands only.
+# does not take the others' time; --dry-run prints the commands only. To split
+# the work over several shorter runs: RING_COUNTS (default "2 4 8") picks the
+# GPU counts of the scaling runs, RING_PARTS (default "tests scaling profile")
+# the parts; WORKERS (default 3) the test processes (on four GPUs, 4 workers ran
+# the GPU tests in 222 s, 2026-11-26).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
@@ -14,6 +18,8 @@ if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
 out="${OUT:-/tmp/out}"
 gpus="${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 limit="${RUN_LIMIT:-500}"
+counts="${RING_COUNTS:-2 4 8}"
+parts=" ${RING_PARTS:-tests scaling profile} "
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off, as the hosts require
 
 run() {  # run LOG COMMAND...
@@ -21,14 +27,18 @@ run() {  # run LOG COMMAND...
   echo "+ $* > $out/$log"
   [ "$dry" = 1 ] && return 0
   mkdir -p "$out"
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$out/$log" 2>&1
-  echo "  rc $? ($log)"
+  echo "  rc $? ($log, $((SECONDS - t0)) s)"
 }
 
-run ring-tests.log env WORKERS=3 bash tools/offline_gpu.sh test tests/ring_test.py \
-  tests/sharding_test.py -k gpus -rA
-for n in 2 4 8; do
-  [ "$n" -le "$gpus" ] || break
+if [[ "$parts" == *" tests "* ]]; then
+  run ring-tests.log env WORKERS="${WORKERS:-3}" bash tools/offline_gpu.sh test \
+    tests/ring_test.py tests/sharding_test.py -k gpus -rA
+fi
+for n in $counts; do
+  [[ "$parts" == *" scaling "* ]] || break
+  [ "$n" -le "$gpus" ] || continue
   devices=$(seq -s, 0 $((n - 1)))
   for per in 8192 32768; do
     extra=()
@@ -38,4 +48,6 @@ for n in 2 4 8; do
       --ring-shape 1,16,128 --ring-masks causal "${extra[@]}"
   done
 done
-run ring-profile.log bash tools/offline_gpu.sh py tools.ring_profile $((8192 * gpus))
+if [[ "$parts" == *" profile "* ]]; then
+  run ring-profile.log bash tools/offline_gpu.sh py tools.ring_profile $((8192 * gpus))
+fi

@@ -202,3 +202,24 @@ def test_ring_gpu_runs_plans_each_gpu_count(tmp_path):
   assert "tools.ring_profile 32768" in lines[-1]
   assert len(run(2)) == 4 and len(run(8)) == 8
   assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_ring_gpu_runs_picks_counts_and_parts(tmp_path):
+  # RING_COUNTS and RING_PARTS split the runs over several shorter calls;
+  # WORKERS sets the test processes.
+  import os
+  import subprocess
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ring_gpu_runs.sh")
+
+  def run(**env):
+    return subprocess.run(["bash", script, "--dry-run", "4"], text=True,
+                          capture_output=True, check=True,
+                          env=dict(os.environ, OUT=str(tmp_path), **env)).stdout.splitlines()
+
+  lines = run(RING_COUNTS="4", RING_PARTS="scaling profile")
+  assert len(lines) == 3 and all("CUDA_VISIBLE_DEVICES=0,1,2,3 " in l for l in lines[:2])
+  assert "tools.ring_profile 32768" in lines[2]
+  lines = run(RING_PARTS="tests", WORKERS="4")
+  assert len(lines) == 1 and "WORKERS=4 " in lines[0] and "tests/ring_test.py" in lines[0]
+  lines = run(RING_COUNTS="2", RING_PARTS="scaling")
+  assert len(lines) == 2 and all("CUDA_VISIBLE_DEVICES=0,1 " in l for l in lines)
