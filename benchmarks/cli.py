@@ -55,6 +55,9 @@ def _parser():
                  help="ring mode: comma-separated, of full and causal")
   p.add_argument("--ring-modes", help="ring mode: comma-separated name prefixes "
                  "of the modes to run (ring, partitioned, all-gather; default all)")
+  p.add_argument("--ring-layers", type=int, default=1, metavar="N",
+                 help="ring mode: N calls chained in one jitted function (each "
+                 "output the next q, as a model's layers), times per call")
   p.add_argument("--ring-platform", help="ring mode: the flashjax platform "
                  "(default: the backend's)")
   p.add_argument("--quick", action="store_true",
@@ -92,7 +95,11 @@ def ring_mode(args, on_cpu: bool) -> int:
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   env = report.environment()
   print(f"device: {env['device']} x {jax.device_count()}, jax {env['jax']}, "
-        f"{env['date']}, dtype {dtype.name}, B,H,D {args.ring_shape}", flush=True)
+        f"{env['date']}, dtype {dtype.name}, B,H,D {args.ring_shape}"
+        + (f", {args.ring_layers} calls chained, times per call"
+           if args.ring_layers != 1 else ""), flush=True)
+  if args.ring_layers < 1:
+    raise SystemExit(f"--ring-layers takes N >= 1, got {args.ring_layers}")
   try:
     batch, heads, head_dim = (int(x) for x in args.ring_shape.split(","))
   except ValueError:
@@ -111,7 +118,7 @@ def ring_mode(args, on_cpu: bool) -> int:
                   iters=args.iters or (2 if on_cpu else 20),
                   repeats=args.repeats or (3 if on_cpu else 5),
                   platform=args.ring_platform,
-                  only=only)
+                  only=only, layers=args.ring_layers)
   print(ring.table(rows))
   return 1 if any(r.error for r in rows) else 0
 

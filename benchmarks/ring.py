@@ -13,7 +13,13 @@ every device present, side by side in one process:
 Forward and forward+backward times, the scaling against the ideal (the one-device
 time over the device count), the compiled per-device memory of forward+backward,
 and the largest difference of each forward output from the one-device output (a
-wrong ring shows here)."""
+wrong ring shows here).
+
+``layers`` (``--ring-layers``) chains that many calls in one jitted function,
+each call's output the next one's q, as the layers of a model's step; times are
+per call. On four H200s (one process, 2026-11-26) each lone ring call's first
+kernel started 100-490 us after its first fusion, behind its first transfer's
+launch; chained calls show what of that a step pays per layer."""
 
 from __future__ import annotations
 
@@ -46,9 +52,14 @@ class RingRow:
   ideal_fwd_bwd_ms: float | None = None
 
 
-def _functions(attend, causal):
-  fwd = jax.jit(lambda q, k, v: attend(q, k, v, causal))
-  loss = lambda q, k, v, do: jnp.sum(attend(q, k, v, causal).astype(jnp.float32) *
+def _functions(attend, causal, layers=1):
+  def chain(q, k, v):
+    for _ in range(layers):
+      q = attend(q, k, v, causal)
+    return q
+
+  fwd = jax.jit(chain)
+  loss = lambda q, k, v, do: jnp.sum(chain(q, k, v).astype(jnp.float32) *
                                      do.astype(jnp.float32))
   return fwd, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -97,10 +108,14 @@ def _wanted(name, only):
 
 
 def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
-        causal_flags=(False, True), iters=2, repeats=3, platform=None, only=None):
+        causal_flags=(False, True), iters=2, repeats=3, platform=None, only=None,
+        layers=1):
   """Rows of the modes (``only``: those whose names start with one of these
-  words; "one device" always runs, as the ideal's base)."""
+  words; "one device" always runs, as the ideal's base); ``layers`` calls
+  chained per timed function, times per call."""
   check_modes(only)
+  if layers < 1:
+    raise ValueError(f"layers must be >= 1, got {layers}")
   devices = jax.devices()
   n = len(devices)
   mesh = Mesh(np.array(devices), ("seq",))
@@ -121,11 +136,13 @@ def run(seq: int, *, dtype=jnp.float32, batch=1, heads=8, head_dim=64,
       else:
         args = [jax.device_put(zig(x) if zigzag else x, sharded) for x in host]
       inputs[name] = args
-      fwd, fwd_bwd = _functions(attend, causal)
+      fwd, fwd_bwd = _functions(attend, causal, layers)
       calls[name, "fwd"] = (fwd, args[:3])
       calls[name, "fwd_bwd"] = (fwd_bwd, args)
     times = timer.time_interleaved_ms(calls, iters=iters, repeats=repeats,
                                       settle_ms=0.0)
+    times = {key: t if isinstance(t, Exception) else t / layers
+             for key, t in times.items()}
     outs = {}
     for name, (_, zigzag) in modes.items():
       if not isinstance(times[name, "fwd"], Exception):

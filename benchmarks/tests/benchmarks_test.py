@@ -3,7 +3,9 @@
 import csv
 import os
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashjax.benchmarks import cli, impls, report, timing
@@ -179,6 +181,29 @@ def test_ring_mode_shape_masks_and_modes(capsys):
               ["--ring-modes", "ring,allgather"]):
     with pytest.raises(SystemExit, match="--ring-"):
       cli.main(["--ring", "32", *bad])
+
+
+def test_ring_layers_chain_calls_and_time_per_call(capsys, monkeypatch):
+  from flashjax.benchmarks import ring
+  # Three chained calls: the ring's output still matches one device's chain.
+  assert cli.main(["--ring", "32", "--ring-shape", "1,2,16", "--ring-masks", "causal",
+                   "--ring-modes", "ring (zig", "--ring-layers", "3", "--iters", "1",
+                   "--repeats", "1"]) == 0
+  text = capsys.readouterr().out
+  assert "3 calls chained, times per call" in text
+  line = next(x for x in text.splitlines() if x.startswith("| ring (zigzag) | 32 |"))
+  assert float(line.split("|")[-2]) < 1e-4, line
+  # Times are the chain's over the layer count; the fwd function runs the chain.
+  monkeypatch.setattr(ring.timer, "time_interleaved_ms",
+                      lambda calls, **kw: {key: 6.0 for key in calls})
+  rows = ring.run(16, batch=1, heads=1, head_dim=8, causal_flags=[True],
+                  only=["ring (zig"], layers=3)
+  assert [r.fwd_ms for r in rows] == [2.0, 2.0]
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 1, 8)) for i in range(3))
+  once = ring._functions(lambda q, k, v, c: q * 2 + k, True, 3)[0](q, k, v)
+  np.testing.assert_allclose(np.asarray(once), np.asarray(q * 8 + k * 7), rtol=1e-5, atol=1e-5)
+  with pytest.raises(SystemExit, match="--ring-layers"):
+    cli.main(["--ring", "32", "--ring-layers", "0"])
 
 
 def test_ring_table_sets_each_row_against_one_device_over_its_count():
