@@ -31,6 +31,11 @@ def gpu_device(device=None):
   return device if getattr(device, "platform", None) in ("gpu", "cuda", "rocm") else None
 
 
+def gpu_count() -> int:
+  """GPUs of this process (0 without a GPU backend): multi-GPU runs need 2 or more."""
+  return len(jax.devices("gpu")) if _first_device("gpu") is not None else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
   """A GPU generation: ``shared_memory`` is what one block may use; ``hopper``:

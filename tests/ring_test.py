@@ -355,9 +355,8 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
     np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
 
 
-MULTI_GPU = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or jax.device_count() < 2,
-    reason="needs 2 or more GPUs")
+MULTI_GPU = pytest.mark.skipif(hardware.gpu_count() < 2,
+                               reason="needs 2 or more GPUs")
 
 
 def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):

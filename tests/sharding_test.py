@@ -14,6 +14,8 @@ import textwrap
 import jax
 import pytest
 
+from flashjax.common import hardware
+
 SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -261,9 +263,7 @@ def test_jvp_of_sharded_inputs_runs_per_shard():
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
 
 
-@pytest.mark.skipif(
-    jax.default_backend() != "gpu" or jax.device_count() < 2,
-    reason="needs 2 or more GPUs")
+@pytest.mark.skipif(hardware.gpu_count() < 2, reason="needs 2 or more GPUs")
 @pytest.mark.parametrize("platform", ["pallas", "pallas-triton", "triton"])
 @pytest.mark.parametrize("split", ["batch", "heads"])
 def test_data_parallel_on_gpus(platform, split):

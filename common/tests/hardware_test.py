@@ -48,5 +48,6 @@ def test_answers_on_this_machine():
   if jax.default_backend() != "cpu":
     return
   assert hardware.gpu_device() is None and hardware.compute_capability() is None
+  assert hardware.gpu_count() == 0
   assert not hardware.is_hopper() and hardware.tpu_generation() is None
   assert hardware.gpu_target() == hardware.HOPPER and hardware.num_sms() == 132
