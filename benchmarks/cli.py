@@ -94,12 +94,12 @@ def ring_mode(args, on_cpu: bool) -> int:
   from . import ring
   dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
   env = report.environment()
-  print(f"device: {env['device']} x {jax.device_count()}, jax {env['jax']}, "
-        f"{env['date']}, dtype {dtype.name}, B,H,D {args.ring_shape}"
-        + (f", {args.ring_layers} calls chained, times per call"
-           if args.ring_layers != 1 else ""), flush=True)
   if args.ring_layers < 1:
     raise SystemExit(f"--ring-layers takes N >= 1, got {args.ring_layers}")
+  print(f"device: {env['device']} x {jax.device_count()}, jax {env['jax']}, "
+        f"{env['date']}, dtype {dtype.name}, B,H,D {args.ring_shape}"
+        + (f", {args.ring_layers} calls chained, times per call, memory of the chain"
+           if args.ring_layers != 1 else ""), flush=True)
   try:
     batch, heads, head_dim = (int(x) for x in args.ring_shape.split(","))
   except ValueError:

@@ -17,9 +17,10 @@ wrong ring shows here).
 
 ``layers`` (``--ring-layers``) chains that many calls in one jitted function,
 each call's output the next one's q, as the layers of a model's step; times are
-per call. On four H200s (one process, 2026-11-26) each lone ring call's first
-kernel started 100-490 us after its first fusion, behind its first transfer's
-launch; chained calls show what of that a step pays per layer."""
+per call; the memory column is the whole chain's. On four H200s (one process,
+2026-11-26) a lone ring call's first kernel started 120-580 us after its first
+fusion, behind its first transfer's launch; chained calls show what of that a
+step pays per layer."""
 
 from __future__ import annotations
 

@@ -20,6 +20,13 @@ gpus="${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 limit="${RUN_LIMIT:-500}"
 counts="${RING_COUNTS:-2 4 8}"
 parts=" ${RING_PARTS:-tests scaling profile} "
+for part in $parts; do
+  case "$part" in
+    tests|scaling|profile) ;;
+    *) echo "RING_PARTS takes tests, scaling and profile (space-separated), got '$part'" >&2
+       exit 2 ;;
+  esac
+done
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off, as the hosts require
 
 run() {  # run LOG COMMAND...

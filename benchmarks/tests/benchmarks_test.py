@@ -202,8 +202,10 @@ def test_ring_layers_chain_calls_and_time_per_call(capsys, monkeypatch):
   q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 1, 8)) for i in range(3))
   once = ring._functions(lambda q, k, v, c: q * 2 + k, True, 3)[0](q, k, v)
   np.testing.assert_allclose(np.asarray(once), np.asarray(q * 8 + k * 7), rtol=1e-5, atol=1e-5)
+  capsys.readouterr()
   with pytest.raises(SystemExit, match="--ring-layers"):
     cli.main(["--ring", "32", "--ring-layers", "0"])
+  assert "chained" not in capsys.readouterr().out  # refused before the header
 
 
 def test_ring_table_sets_each_row_against_one_device_over_its_count():

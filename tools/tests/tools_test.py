@@ -223,3 +223,7 @@ def test_ring_gpu_runs_picks_counts_and_parts(tmp_path):
   assert len(lines) == 1 and "WORKERS=4 " in lines[0] and "tests/ring_test.py" in lines[0]
   lines = run(RING_COUNTS="2", RING_PARTS="scaling")
   assert len(lines) == 2 and all("CUDA_VISIBLE_DEVICES=0,1 " in l for l in lines)
+  bad = subprocess.run(["bash", script, "--dry-run", "4"], text=True,
+                       capture_output=True, env=dict(os.environ, OUT=str(tmp_path),
+                                                     RING_PARTS="tests,profile"))
+  assert bad.returncode == 2 and "RING_PARTS" in bad.stderr and not bad.stdout
