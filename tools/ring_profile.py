@@ -10,8 +10,10 @@ event the compute.
 The N calls run back to back (one wait at the end). Per device and call it
 prints the span (first kernel's start to last kernel's end, over N), the
 compute and communication busy times (unions of intervals: streams overlap),
-the communication that ran while a compute kernel ran, and the exposed
-communication (the rest). Then the first call's events of device 0 in time
+the communication that ran while a compute kernel ran, the exposed
+communication (the rest), and the compute split into the attention kernels'
+busy time and the work beside them (all other compute: copies, packing,
+merges). Then the first call's events of device 0 in time
 order, to see where each transfer sits. XLA flags (``XLA_FLAGS``) change the
 schedule, so run it under each setting to compare.
 """
@@ -33,6 +35,13 @@ def is_comm(name: str) -> bool:
                                 "peer"))
 
 
+def is_attention(name: str) -> bool:
+  """An attention kernel's event: Mosaic-GPU's custom call, or a kernel named
+  by flashjax (the Pallas-Triton and triton platforms)."""
+  low = name.lower()
+  return "mosaic_gpu" in low or "flashjax" in low
+
+
 def intersect(a, b):
   """Intersection of two sorted disjoint interval lists."""
   out, i, j = [], 0, 0
@@ -48,16 +57,21 @@ def intersect(a, b):
 
 
 def overlap(events, n: int = 1) -> dict:
-  """Per-call span, compute and communication busy time, and how much of the
-  communication ran beside compute (us), from one device's events."""
+  """Per-call span, compute and communication busy time, how much of the
+  communication ran beside compute, and how the compute splits into attention
+  kernels and the work beside them (copies, packing, merges: busy time outside
+  the kernels), in us, from one device's events."""
   comm = union((ts, ts + d) for name, ts, d in events if is_comm(name))
   comp = union((ts, ts + d) for name, ts, d in events if not is_comm(name))
+  kernels = union((ts, ts + d) for name, ts, d in events if is_attention(name))
   both = intersect(comm, comp)
   start = min(ts for _, ts, _ in events)
   end = max(ts + d for _, ts, d in events)
   return {"span": (end - start) / n, "compute": length(comp) / n,
           "comm": length(comm) / n, "hidden": length(both) / n,
-          "exposed": (length(comm) - length(both)) / n}
+          "exposed": (length(comm) - length(both)) / n,
+          "kernels": length(kernels) / n,
+          "beside": (length(comp) - length(kernels)) / n}
 
 
 def main(argv):
@@ -105,7 +119,8 @@ def main(argv):
       o = overlap(events, n_calls)
       print(f"{label:8s} {dev[:28]:28s} span {o['span']:9.1f} us  compute "
             f"{o['compute']:9.1f}  comm {o['comm']:8.1f}  hidden {o['hidden']:8.1f}  "
-            f"exposed {o['exposed']:8.1f}")
+            f"exposed {o['exposed']:8.1f}  kernels {o['kernels']:9.1f}  "
+            f"beside {o['beside']:8.1f}")
     first = sorted(per_device)[0]
     events = per_device[first]
     # One call's events: the calls ran one after another, so the first 1/n of

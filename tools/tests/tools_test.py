@@ -175,6 +175,11 @@ def test_ring_profile_splits_transfers_into_hidden_and_exposed():
   assert o["comm"] == pytest.approx(75.0)
   assert o["hidden"] == pytest.approx(20.0)
   assert o["exposed"] == pytest.approx(55.0)
+  # Compute 60-180 us: the attention kernel 60-160, the copy beside it 160-180.
+  assert o["kernels"] == pytest.approx(50.0) and o["beside"] == pytest.approx(10.0)
+  assert ring_profile.is_attention("entry_mosaic_gpu_kernel")
+  assert ring_profile.is_attention("flashjax_pallas_triton_bwd_dkv")
+  assert not ring_profile.is_attention("loop_add_fusion")
   assert ring_profile.intersect([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
   assert not ring_profile.is_comm("entry_mosaic_gpu_kernel")
   assert not ring_profile.is_comm("memcpy128")  # XLA's copy kernel
