@@ -61,6 +61,12 @@ def threshold(rate: float) -> int:
   return min(int(round(rate * 2.0**24)), 2**24 - 1)
 
 
+def keep_scale(rate: float) -> float:
+  """``1 / (1 - rate)``: what a kept probability is multiplied by, so that the
+  output's expectation is the one without dropout."""
+  return 1.0 / (1.0 - rate)
+
+
 def col_key(j):
   """uint32 term of key position ``j``; a kernel whose tile's keys are fixed
   computes it once per key, not per element."""

@@ -202,7 +202,7 @@ def attention_tangent(ops: Operands, tangents: Operands, spec: AttentionSpec, ou
       if spec.dropout_rate > 0:
         keep = dropout_lib.keep_from_row_key(row_key, j.astype(jnp.uint32),
                                              spec.dropout_rate)
-        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+        p = jnp.where(keep, p * dropout_lib.keep_scale(spec.dropout_rate), 0.0)
       a = a + mm("bhgqk,bhkd->bhgqd", (p * dz).astype(cdt), v_b)
       if dv is not None:
         dv_b = jax.lax.dynamic_slice_in_dim(dv, j0, bk, 2)

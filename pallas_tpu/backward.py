@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import dropout
 from . import tile
 from .forward import kv_block, kv_steps
 from .plan import KernelOperands, Plan, broadcast_block, broadcast_index, segment_ranges
@@ -41,7 +42,7 @@ def _probs_and_ds(plan: Plan, refs: dict, b, h, i, j):
   pd = p
   if spec.dropout_rate > 0:
     keep = tile.dropout_keep(plan, refs["seed"], b, h, i, j)
-    scale = 1.0 / (1.0 - spec.dropout_rate)
+    scale = dropout.keep_scale(spec.dropout_rate)
     pd = jnp.where(keep, p * scale, 0.0)
     dp = jnp.where(keep, dp * scale, 0.0)
   ds = p * (dp - refs["delta"][...])

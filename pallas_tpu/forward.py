@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..common import dropout
 from . import tile
 from .config import NUM_LANES
 from .plan import Plan, KernelOperands, broadcast_block, broadcast_index, segment_ranges
@@ -73,7 +74,8 @@ def _kernel(*refs, plan: Plan, has: dict, count: bool):
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
-    out, lse = tile.finish_rows(acc_sc, m_sc, l_sc, 1.0 / (1.0 - spec.dropout_rate))
+    out, lse = tile.finish_rows(acc_sc, m_sc, l_sc,
+                                 dropout.keep_scale(spec.dropout_rate))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 

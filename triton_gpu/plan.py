@@ -104,5 +104,5 @@ def constexprs(spec: AttentionSpec, geo: Geometry, bm: int, bn: int,
       HAS_MASK=mask_shape is not None, **_strides(mask_shape, ("MSB", "MSH", "MSQ", "MSK")),
       HAS_DROP=drop,
       THRESH=dropout_lib.threshold(spec.dropout_rate) if drop else 0,
-      DROP_SCALE=1.0 / (1.0 - spec.dropout_rate),
+      DROP_SCALE=dropout_lib.keep_scale(spec.dropout_rate),
       PRECISION=(config.fp32_precision if spec.dtype == "float32" else None))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..common import epilogue
+from ..common import dropout, epilogue
 from ..common.compat import vary_like
 from ..common.blocking import pad_axis
 from ..common.spec import AttentionSpec, Operands
@@ -56,7 +56,7 @@ def backward(ops: Operands, spec: AttentionSpec, config: XlaConfig, out, lse, do
   delta = to_rows(row_delta, 0.0)
   # Empty and padded rows: lse = +inf makes every p there exactly 0.
   lse_safe = to_rows(epilogue.safe_lse(lse), jnp.inf)
-  keep_scale = 1.0 / (1.0 - spec.dropout_rate)
+  keep_scale = dropout.keep_scale(spec.dropout_rate)
   scale = spec.softmax_scale
   kt = blocks.keys_transposed(prep)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..common import epilogue
+from ..common import dropout, epilogue
 from ..common.compat import vary_like
 from ..common.spec import AttentionSpec, Operands
 from . import blocks
@@ -70,7 +70,7 @@ def forward(ops: Operands, spec: AttentionSpec, config: XlaConfig):
     lse = jnp.where(l > 0, m * mult + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if spec.dropout_rate > 0:
-      out = out * (1.0 / (1.0 - spec.dropout_rate))
+      out = out * dropout.keep_scale(spec.dropout_rate)
     return out, lse
 
   out, lse = jax.lax.map(q_block, jnp.arange(lay.num_q_blocks))

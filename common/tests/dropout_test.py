@@ -68,3 +68,8 @@ def test_rate_zero_keeps_everything_and_bad_rate_raises():
   assert np.asarray(dropout.keep(jnp.uint32(0), b, h, i, j, 0.0)).all()
   with pytest.raises(ValueError, match="dropout_rate"):
     dropout.threshold(1.0)
+
+
+def test_keep_scale_restores_the_expectation():
+  assert dropout.keep_scale(0.0) == 1.0 and dropout.keep_scale(0.2) == 1.0 / 0.8
+  assert dropout.keep_scale(0.75) == 4.0

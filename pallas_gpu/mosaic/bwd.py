@@ -49,7 +49,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat
+from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
@@ -178,7 +178,7 @@ def _dkv_program(g: Geometry, dtype):
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
       col = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
-      inv_keep = 1.0 / (1.0 - g.dropout_rate)
+      inv_keep = dropout.keep_scale(g.dropout_rate)
       if g.dropout_rate:
         # The keys are this warpgroup's own: their hash terms once per CTA.
         key_terms = dropout_col_keys(seed_ref, positions(bk, 0, k0))
@@ -386,7 +386,7 @@ def _dq_program(g: Geometry, dtype):
       lse2 = compat.mgpu_load(my_st.at[0], plgpu.Layout.WGMMA.reduce(1))
       delta = compat.mgpu_load(my_st.at[1], plgpu.Layout.WGMMA.reduce(1))
       row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
-      inv_keep = 1.0 / (1.0 - g.dropout_rate)
+      inv_keep = dropout.keep_scale(g.dropout_rate)
       if g.dropout_rate:
         row_keys = _load_row_keys(my_st, plgpu.Layout.WGMMA.reduce(1))
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),

@@ -53,7 +53,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ...common import compat
+from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
@@ -277,7 +277,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue
           pl.when(has_next)(lambda: load_q(u + ctas))
         has = l > 0.0
-        inv = (1.0 / (1.0 - g.dropout_rate)) / jnp.where(has, l, 1.0)
+        inv = dropout.keep_scale(g.dropout_rate) / jnp.where(has, l, 1.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
         # The previous tile's stores must have read the staging buffers.

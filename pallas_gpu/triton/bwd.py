@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ...common import dropout
 from ...common.blocking import LOG2E
 from . import plan as tp
 from .fwd import in_specs, segment_specs, stages, tiles
@@ -36,7 +37,7 @@ def _p_ds(plan: tp.Plan, r, t, q, k, v, do, lse2, delta, q_ids, b, h, i, j,
   pd = p
   if "seed" in r:
     keep = tp.dropout_keep(plan, r["seed"], b, h, i, j)
-    scale = 1.0 / (1.0 - spec.dropout_rate)
+    scale = dropout.keep_scale(spec.dropout_rate)
     pd = jnp.where(keep, p * scale, 0.0)
     dp = jnp.where(keep, dp * scale, 0.0)
   ds = p * (dp - delta[:, None])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ...common import dropout
 from ...common.blocking import LN2, LOG2E
 from . import plan as tp
 from .. import split_tail, tail_merge
@@ -147,7 +148,7 @@ def _q_block(r: dict, plan: tp.Plan, i, sliced: bool, b, h, part=None):
   safe_l = jnp.where(nonempty, l, 1.0)
   out = acc / safe_l[:, None]
   if spec.dropout_rate > 0:
-    out = out * (1.0 / (1.0 - spec.dropout_rate))
+    out = out * dropout.keep_scale(spec.dropout_rate)
   r["o"][rows, :] = out.astype(r["o"].dtype)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   r["lse"][rows] = jnp.where(nonempty, (m_safe * mult + jnp.log2(safe_l)) * LN2,
