@@ -213,8 +213,10 @@ class KvCacheSuite:
            sinks=2, rotary=None),  # GQA 3, window, soft cap, sinks
       dict(seq_q=3, seq_new=2, batch_idx=True, rotary="interleaved",
            head_dim_v=48),  # non-causal rotary: queries share one position
+      dict(seq_q=8, seq_new=8, causal=True, heads_q=4, heads_kv=2, leftpad=True,
+           capacity=80),  # 16 query rows per kv head, powers of two
   ], ids=["decode", "no-append", "prefill-chunk", "window-softcap-sinks",
-          "noncausal-rotary-dv"])
+          "noncausal-rotary-dv", "gqa-chunk-16-rows"])
   def test_kv_contiguous(self, kw):
     self.kv_check(KvCase(**kw, seed=len(kw)))
 
@@ -229,6 +231,8 @@ class KvCacheSuite:
                  causal=True)),  # MQA, one page per row
       (7, dict(capacity=35, seq_q=6, seq_new=4, causal=True, leftpad=True, sinks=2,
                head_dim_v=16, rotary="interleaved", rotary_dim=8)),  # odd pages
+      (16, dict(capacity=96, seq_q=4, seq_new=2, causal=True, heads_q=8, heads_kv=2,
+                window=(10, 0), sinks=1)),  # 16 query rows per kv head, sinks
   ])
   def test_kv_paged(self, page_size, kw):
     self.kv_check(KvCase(page_size=page_size, **kw, seed=page_size))

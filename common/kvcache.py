@@ -408,6 +408,14 @@ def group_queries(q, spec):
   return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, spec.heads_kv, -1, d)
 
 
+def query_of_row(row, spec, query_major: bool = False):
+  """The query index (``0 .. Sq-1``) of row ``row`` of one kv head's q matrix:
+  :func:`group_queries`' order (row ``g * Sq + i``), or ``query_major`` (row
+  ``i * G + g``: a ``[Sq, G, D]`` block of ``[B, Sq, Hq, D]`` with its first two
+  axes merged, which the GPU decode kernels read without a transpose)."""
+  return row // spec.group_size if query_major else row % spec.seq_q
+
+
 def ungroup(out, lse, spec):
   """Inverse of :func:`group_queries` for ``out [B, Hkv, G*Sq, Dv]`` and
   ``lse [B, Hkv, G*Sq]`` -> ``[B, Sq, Hq, Dv]``, ``[B, Hq, Sq]``."""

@@ -18,6 +18,11 @@ CASES = [
     dict(sq=4, sk=200, hq=8, hkv=1, sliding_window=(50, 0), causal=True,
          logits_soft_cap=5.0),
     dict(sq=2, sk=128, hq=4, hkv=2, sinks=True, dtype=jnp.float16, splits=1),
+    # Powers of two filling 16 or more rows: q read and results written in the
+    # call's layout (decode.direct), one split writing the results itself.
+    dict(sq=4, sk=300, hq=16, hkv=4, causal=True, dtype=jnp.float16, splits=1),
+    dict(sq=8, sk=270, hq=8, hkv=2, sliding_window=(40, 0), causal=True, splits=3),
+    dict(sq=16, sk=200, hq=4, hkv=4, causal=True, sinks=True, splits=1),
 ]
 
 
@@ -44,6 +49,36 @@ def test_decode_forward_matches_reference(c):
   tol = 2e-2 if q.dtype == jnp.float16 else 2e-5
   np.testing.assert_allclose(out.astype(jnp.float32), want, atol=tol, rtol=tol)
   np.testing.assert_allclose(lse, want_lse, atol=tol, rtol=tol)
+
+
+def test_direct_layout_only_for_powers_of_two_filling_the_tile():
+  mk = lambda **kw: spec_lib.abstract_spec(**{**dict(
+      batch=1, seq_q=16, seq_k=4096, heads_q=32, heads_kv=8, head_dim=128), **kw})
+  assert triton_decode.direct(mk())  # 16 queries x 4 heads
+  assert triton_decode.direct(mk(seq_q=4, heads_q=32, heads_kv=8))  # 16 rows
+  assert not triton_decode.direct(mk(seq_q=1))  # 4 rows: padded to 16
+  assert not triton_decode.direct(mk(seq_q=3, heads_q=64))  # 3 queries
+  assert not triton_decode.direct(mk(seq_q=8, heads_q=48))  # 6 heads per kv head
+  assert not triton_decode.direct(mk(seq_q=32))  # 128 rows
+  s = mk()
+  assert triton_decode.final(s, 1) and not triton_decode.final(s, 2)
+  assert not triton_decode.final(mk(seq_q=1), 1)
+
+
+def test_one_direct_split_writes_the_results_in_the_input_dtype():
+  """No fp32 partials and no merge: the kernel's output is the call's."""
+  c = dict(sq=4, sk=300, hq=16, hkv=4, causal=True, dtype=jnp.float16)
+  q, k, v, kw = _inputs(c)
+  ops, spec = spec_lib.canonicalize(q, k, v, **kw)
+  cfg = triton_decode.DecodeConfig(block_kv=64, num_splits=1)
+  o, lse = triton_decode.partials(ops.q, ops.k, ops.v, spec, cfg, 1, True)
+  assert o.dtype == jnp.float16 and o.shape == (1, 2, 4, 16, 32)
+  assert lse.shape == (1, 2, 16, 4)
+  out, out_lse = triton_decode.combine(o, lse, spec)
+  assert out.dtype == jnp.float16 and out.shape == (2, 4, 16, 32)
+  want, want_lse = reference.attention(q, k, v, return_lse=True, **kw)
+  np.testing.assert_allclose(out.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(out_lse, want_lse, atol=2e-2, rtol=2e-2)
 
 
 def test_decode_split_counts_agree_and_grad_runs():

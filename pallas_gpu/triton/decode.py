@@ -75,6 +75,20 @@ def packed_rows(spec) -> int:
   return max(MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
 
 
+def direct(spec) -> bool:
+  """Whether the kernels read q and write out and lse in the call's own layout
+  (``[B, Sq, Hq, ..]``): the queries and the q heads of a kv head are powers of
+  two (the sizes of Triton's tiles) and fill at least ``MIN_ROWS`` rows. The q
+  tile is then the ``[Sq, G, D]`` block of one kv head's heads, its rows
+  query-major (:func:`kvcache.query_of_row`). Otherwise XLA packs q by
+  ``kvcache.group_queries`` and unpacks the results, two transposes that cost
+  3.8 us each around a 129 us kernel at B32 Sq16 Sk4k GQA 32:8 (H200,
+  2026-11-26)."""
+  sq, g = spec.seq_q, spec.group_size
+  return (sq & (sq - 1) == 0 and g & (g - 1) == 0
+          and MIN_ROWS <= sq * g <= MAX_ROWS)
+
+
 def _block_kv(spec, cfg: DecodeConfig) -> int:
   # A tile must fit inside the keys: the ragged tile is read from Sk - block_kv.
   return min(cfg.block_kv, 1 << (spec.seq_k.bit_length() - 1))
@@ -148,9 +162,10 @@ def splits_for(cfg: DecodeConfig, spec, blocks: int, sms: int) -> int:
   return max(1, min(2 * sms // programs, blocks // 2 or 1, 256))
 
 
-def run_split(q, o_ref, lse_ref, j0, j1, tile, plain, *, spec, rows, precision):
-  """One program's online softmax over key tiles ``[j0, j1)`` of its split, and
-  its normalised partial output and lse (natural log, -inf if it saw no key).
+def run_split(q, j0, j1, tile, plain, *, spec, rows, precision):
+  """One program's online softmax over key tiles ``[j0, j1)`` of its split:
+  ``(out [rows, Dv], lse [rows])``, its normalised fp32 partial output and lse
+  (natural log, -inf if it saw no key), for :func:`store`.
   ``tile(j, masked) -> (k, v, ok)`` loads tile ``j``; with ``masked`` also its
   ``[rows, block]`` mask, and the values of masked keys must then be finite
   (they meet p = 0 in the product). Tiles in ``plain = (a, b)`` are ones every
@@ -182,7 +197,7 @@ def run_split(q, o_ref, lse_ref, j0, j1, tile, plain, *, spec, rows, precision):
                                          preferred_element_type=jnp.float32)
     return acc, m_new, l
 
-  init = (jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
+  init = (jnp.zeros((rows, spec.head_dim_v), jnp.float32),
           jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
   if plain is None:
     acc, m, l = jax.lax.fori_loop(j0, j1, functools.partial(body, False), init)
@@ -194,14 +209,26 @@ def run_split(q, o_ref, lse_ref, j0, j1, tile, plain, *, spec, rows, precision):
     acc, m, l = jax.lax.fori_loop(b, j1, functools.partial(body, True), carry)
   nonempty = l > 0
   safe_l = jnp.where(nonempty, l, 1.0)
-  o_ref[...] = acc / safe_l[:, None]
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  lse_ref[...] = jnp.where(nonempty, m_safe * scale2 * LN2 + jnp.log(safe_l),
-                           -jnp.inf)
+  return acc / safe_l[:, None], jnp.where(
+      nonempty, m_safe * scale2 * LN2 + jnp.log(safe_l), -jnp.inf)
+
+
+def store(o_ref, lse_ref, out, lse, spec, direct: bool):
+  """A program's ``out [rows, Dv]`` and ``lse [rows]`` into its blocks of
+  :func:`launch`'s outputs: as they are (packed rows), or (``direct``) as the
+  ``[Sq, G, Dv]`` and ``[G, Sq]`` blocks of the call's own layout."""
+  if direct:
+    sq, g = spec.seq_q, spec.group_size
+    o_ref[...] = out.reshape(sq, g, out.shape[-1]).astype(o_ref.dtype)
+    lse_ref[...] = lse.reshape(sq, g).T
+  else:
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
-            precision):
+            precision, direct):
   split = pl.program_id(0)
   band = spec.band
 
@@ -210,7 +237,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
       return k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :], None
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-    diag = row % spec.seq_q + band.offset
+    diag = kv.query_of_row(row, spec, direct) + band.offset
     start = jnp.minimum(j * bk, spec.seq_k - bk)
     pos = start + col
     ok = (row < spec.seq_q * spec.group_size) & (pos >= j * bk)
@@ -223,16 +250,34 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
   first, last = int(tiles.first), int(tiles.last_end)
   plain = (int(tiles.first_full), int(tiles.last_full_end))
   j0 = first + split * per
-  run_split(q_ref[...], o_ref, lse_ref, j0, jnp.minimum(j0 + per, last), tile,
-            None if plain == (first, last) else plain, spec=spec, rows=rows,
-            precision=precision)
+  out, lse = run_split(load_q(q_ref, spec, direct), j0, jnp.minimum(j0 + per, last),
+                       tile, None if plain == (first, last) else plain, spec=spec,
+                       rows=rows, precision=precision)
+  store(o_ref, lse_ref, out, lse, spec, direct)
+
+
+def q_operand(q, spec, rows: int):
+  """``(array, BlockSpec)`` of the q rows for grid ``(split, batch, kv head)``:
+  the call's q itself where :func:`direct`, else q packed by
+  ``kvcache.group_queries`` and padded to ``rows``."""
+  b, sq, hq, d = q.shape
+  if direct(spec):
+    return q, pl.BlockSpec((None, sq, spec.group_size, d),
+                           lambda s, i, h: (i, 0, h, 0))
+  packed = jnp.pad(kv.group_queries(q, spec),
+                   ((0, 0), (0, 0), (0, rows - spec.group_size * sq), (0, 0)))
+  return packed, pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0))
+
+
+def load_q(q_ref, spec, direct: bool):
+  """The program's ``[rows, D]`` q tile from its :func:`q_operand` block."""
+  q = q_ref[...]
+  return q.reshape(spec.seq_q * spec.group_size, q.shape[-1]) if direct else q
 
 
 def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
-  """Per-split ``out [splits, B, Hkv, rows, Dv]`` and ``lse [splits, B, Hkv, rows]``
-  (fp32, natural log, -inf where a split saw no key) of the packed q rows."""
-  b, sq, hq, d = q.shape
-  hkv, g, dv = spec.heads_kv, spec.group_size, spec.head_dim_v
+  """The kernel's per-split outputs (:func:`launch`) over ``[B, Sk, Hkv, D]``."""
+  d, dv = spec.head_dim, spec.head_dim_v
   rows = packed_rows(spec)
   bk = _block_kv(spec, cfg)
   # A ragged last tile (read from Sk - bk) holds keys already counted: never
@@ -240,34 +285,51 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   tiles = blocking.kv_block_range(spec.band, 0, spec.seq_q, bk)
   first, last = int(tiles.first), int(tiles.last_end)
   per = -(-(last - first) // splits) if last > first else 0
-  packed = jnp.pad(kv.group_queries(q, spec),
-                   ((0, 0), (0, 0), (0, rows - g * sq), (0, 0)))
+  q, q_spec = q_operand(q, spec, rows)
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, tiles=tiles, per=per,
-                             rows=rows, precision=precision)
-  in_specs = [pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0)),
+                             rows=rows, precision=precision, direct=direct(spec))
+  in_specs = [q_spec,
               pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
               pl.BlockSpec((None, spec.seq_k, None, dv), lambda s, i, h: (i, 0, h, 0))]
-  return launch(kernel, in_specs, (packed, k, v), batch=b, spec=spec, cfg=cfg,
+  return launch(kernel, in_specs, (q, k, v), batch=spec.batch, spec=spec, cfg=cfg,
                 splits=splits, rows=rows, interpret=interpret,
-                name="flashjax_pallas_triton_decode")
+                name="flashjax_pallas_triton_decode", out_dtype=q.dtype)
+
+
+def final(spec, splits: int) -> bool:
+  """Whether the kernel's one split writes the call's results: in the call's
+  layout (:func:`direct`), with no sinks to add in fp32 first. Then the outputs
+  are in q's dtype and :func:`combine` has nothing to do."""
+  return splits == 1 and direct(spec) and not spec.num_sinks
 
 
 def launch(kernel, in_specs, args, *, batch, spec, cfg: DecodeConfig, splits: int,
-           rows: int, interpret: bool, name: str):
+           rows: int, interpret: bool, name: str, out_dtype):
   """The split-KV launch of the decode kernels (here and kvcache.py): one program
-  per (split, batch row, kv head) writing that split's fp32 ``out [splits, B,
-  Hkv, rows, Dv]`` and ``lse [splits, B, Hkv, rows]`` for :func:`combine`."""
-  hkv, dv = spec.heads_kv, spec.head_dim_v
+  per (split, batch row, kv head) writing that split's normalised ``out`` and
+  ``lse`` (natural log) for :func:`combine`. Packed rows: ``out [splits, B, Hkv,
+  rows, Dv]`` and ``lse [splits, B, Hkv, rows]``; :func:`direct`: ``out
+  [splits, B, Sq, Hq, Dv]`` and ``lse [splits, B, Hq, Sq]``. fp32, or
+  ``out_dtype`` where :func:`final`."""
+  hkv, dv, sq, g = spec.heads_kv, spec.head_dim_v, spec.seq_q, spec.group_size
+  if direct(spec):
+    out_specs = [pl.BlockSpec((None, None, sq, g, dv), lambda s, i, h: (s, i, 0, h, 0)),
+                 pl.BlockSpec((None, None, g, sq), lambda s, i, h: (s, i, h, 0))]
+    shapes = (splits, batch, sq, spec.heads_q, dv), (splits, batch, spec.heads_q, sq)
+  else:
+    out_specs = [pl.BlockSpec((None, None, None, rows, dv),
+                              lambda s, i, h: (s, i, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))]
+    shapes = (splits, batch, hkv, rows, dv), (splits, batch, hkv, rows)
+  o_dtype = out_dtype if final(spec, splits) else jnp.float32
   return pl.pallas_call(
       kernel,
       grid=(splits, batch, hkv),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, None, rows, dv),
-                              lambda s, i, h: (s, i, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda s, i, h: (s, i, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((splits, batch, hkv, rows, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, batch, hkv, rows), jnp.float32)],
+      out_specs=out_specs,
+      out_shape=[jax.ShapeDtypeStruct(shapes[0], o_dtype),
+                 jax.ShapeDtypeStruct(shapes[1], jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
       interpret=interpret, name=name,
@@ -275,10 +337,16 @@ def launch(kernel, in_specs, args, *, batch, spec, cfg: DecodeConfig, splits: in
 
 
 def combine(out_parts, lse_parts, spec):
-  """The splits merged through their lse: ``out [B, Sq, Hq, Dv]`` (fp32) and ``lse
-  [B, Hq, Sq]``; rows no split reached give 0 and -inf."""
+  """The splits of :func:`launch` merged through their lse: ``out [B, Sq, Hq,
+  Dv]`` (fp32, or as written where :func:`final`) and ``lse [B, Hq, Sq]``; rows
+  no split reached give 0 and -inf."""
+  if out_parts.shape[0] == 1 and final(spec, 1):
+    return out_parts[0], lse_parts[0]
   lse = jax.nn.logsumexp(lse_parts, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_parts - lse), 0.0)
+  if direct(spec):
+    # w [splits, B, Hq, Sq] against out [splits, B, Sq, Hq, Dv].
+    return jnp.sum(jnp.swapaxes(w, 2, 3)[..., None] * out_parts, axis=0), lse
   out = jnp.sum(w[..., None] * out_parts, axis=0)
   real = spec.seq_q * spec.group_size
   return kv.ungroup(out[:, :, :real], lse[:, :, :real], spec)
