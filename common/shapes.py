@@ -76,6 +76,9 @@ def _k(n: int) -> str:
 
 # The decode set's sizes: one-token steps and a 16-token chunk against long caches.
 DECODE = ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096), (1, 1, 131072))
+# Chunks of 2, 4 and 8 tokens (speculative decoding): 8, 16 and 32 packed q rows
+# per kv head at GQA 32:8, so below, at and above the 16-row tile.
+DECODE_CHUNKS = ((32, 2, 4096), (32, 4, 4096), (32, 8, 4096))
 
 # 64 to 8192 tokens in one 16k row, long and short documents interleaved.
 MIXED_16K = (8192, 64, 2048, 512, 128, 4096, 1024, 256, 64)
@@ -118,12 +121,13 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         Shape(name=f"B{16384 // s}-S{s // 1024}k-H{h}-D64", batch=16384 // s,
               seq_q=s, seq_k=s, heads_q=h, heads_kv=h, head_dim=64)
         for h in (12, 32) for s in (2048, 8192)),
-    # Decode (GQA 32:8, D = 128): one-token steps and a 16-token chunk against a
-    # long cache; memory-bound, so compare bytes of K and V read per second.
+    # Decode (GQA 32:8, D = 128): one-token steps and chunks of 2 to 16 tokens
+    # against a long cache; memory-bound, so compare bytes of K and V read per
+    # second.
     "decode": tuple(
         Shape(name=f"B{b}-Sq{sq}-Sk{sk // 1024}k-H32:8-D128", batch=b, seq_q=sq,
               seq_k=sk, heads_q=32, heads_kv=8, head_dim=128)
-        for b, sq, sk in DECODE),
+        for b, sq, sk in DECODE + DECODE_CHUNKS),
     # The decode sizes through flash_mha_with_kvcache (benchmarks/kvcache.py),
     # full caches, contiguous and paged (random page order): 16, 64, 256.
     "kvcache": kvcache(DECODE),
