@@ -289,6 +289,7 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
       (2, 7, 130, 4, 2, 64),       # Sq < Sk, GQA
       (1, 130, 7, 4, 1, 64),       # Sq > Sk, MQA
       (1, 1, 200, 8, 1, 64),       # decode step
+      (2, 4, 300, 16, 4, 64),      # 4-token chunk: 16 rows per kv head
       (1, 1000, 1000, 2, 2, 64),   # long, not a block multiple
       (1, 128, 1000, 4, 2, 64),
       (1, 1000, 128, 2, 1, 64),
