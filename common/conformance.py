@@ -290,6 +290,8 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
       (1, 130, 7, 4, 1, 64),       # Sq > Sk, MQA
       (1, 1, 200, 8, 1, 64),       # decode step
       (2, 4, 300, 16, 4, 64),      # 4-token chunk: 16 rows per kv head
+      (1, 16, 300, 2, 2, 64),      # 16-token chunk, MHA: 16 rows per kv head
+      (2, 1, 300, 16, 1, 64),      # MQA step: 16 q heads on one kv head
       (1, 1000, 1000, 2, 2, 64),   # long, not a block multiple
       (1, 128, 1000, 4, 2, 64),
       (1, 1000, 128, 2, 1, 64),
