@@ -74,7 +74,8 @@ def _k(n: int) -> str:
   return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-# The decode set's sizes: one-token steps and a 16-token chunk against long caches.
+# One-token steps and a 16-token chunk against long caches: the decode set's
+# first sizes and the whole KV-cache set's.
 DECODE = ((64, 1, 8192), (8, 1, 65536), (32, 16, 4096), (1, 1, 131072))
 # Chunks of 2, 4 and 8 tokens (speculative decoding): 8, 16 and 32 packed q rows
 # per kv head at GQA 32:8, so below, at and above the 16-row tile.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flashjax.benchmarks import cli, impls, report, timing
+from flashjax.common import shapes
 from flashjax.common.shapes import Shape, get
 
 SMALL = Shape(name="t", batch=1, seq_q=256, seq_k=256, heads_q=2, heads_kv=2,
@@ -295,7 +296,7 @@ KV_CONTIGUOUS = Shape(**{**KV_PAGED.__dict__, "name": "kv-cache", "page_size": 0
 
 
 def test_kvcache_sets_hold_the_decode_sizes_contiguous_and_paged():
-  want = {(s.batch, s.seq_q, s.seq_k) for s in get("decode") if s.seq_q in (1, 16)}
+  want = set(shapes.DECODE)
   got = get("kvcache")
   assert {(s.batch, s.seq_q, s.seq_k) for s in got} == want
   assert sorted(s.page_size for s in got) == sorted([0, 16, 64, 256] * 4)

@@ -21,8 +21,8 @@ CASES = [
     # Powers of two filling 16 or more rows: q read and results written in the
     # call's layout (decode.direct), one split writing the results itself.
     dict(sq=4, sk=300, hq=16, hkv=4, causal=True, dtype=jnp.float16, splits=1),
-    dict(sq=8, sk=270, hq=8, hkv=2, sliding_window=(40, 0), causal=True, splits=3),
-    dict(sq=16, sk=200, hq=4, hkv=4, causal=True, sinks=True, splits=1),
+    dict(sq=8, sk=270, hq=8, hkv=2, sliding_window=(200, 0), causal=True, splits=3),
+    dict(sq=16, sk=200, hq=8, hkv=2, causal=True, sinks=True, splits=1),
 ]
 
 
@@ -44,6 +44,8 @@ def test_decode_forward_matches_reference(c):
   ops, spec = spec_lib.canonicalize(q, k, v, return_lse=True, **kw)
   assert triton_decode.applies(spec)
   cfg = triton_decode.DecodeConfig(block_kv=64, num_splits=c.get("splits", 2))
+  if "splits" in c:  # the split count the case names is the one that runs
+    assert triton_decode.num_splits(spec, cfg, 132) == c["splits"]
   out, lse = jax.jit(lambda ops: triton_decode.forward(ops, spec, cfg, 132, True))(ops)
   want, want_lse = reference.attention(q, k, v, return_lse=True, **kw)
   tol = 2e-2 if q.dtype == jnp.float16 else 2e-5
@@ -116,18 +118,37 @@ def test_decode_applies_only_to_decode_shapes():
     triton_decode.DecodeConfig(block_kv=48)
 
 
-def test_decode_lowers_for_cuda():
+@pytest.mark.parametrize("sq,hq,hkv,splits", [
+    (1, 32, 8, 0),   # 4 rows per kv head: packed by XLA, padded to 16
+    (16, 32, 8, 1),  # 64 rows, the call's layout, one split: no XLA around it
+    (1, 16, 1, 1),   # MQA step, 16 rows
+    (4, 32, 8, 3),   # 16 rows, three splits merged in XLA
+])
+def test_decode_lowers_for_cuda(sq, hq, hkv, splits):
   sd = jax.ShapeDtypeStruct
 
   def fwd(q, k, v):
     ops, s = spec_lib.canonicalize(q, k, v)
-    return triton_decode.forward(ops, s, triton_decode.DecodeConfig(), 132, False)
+    return triton_decode.forward(
+        ops, s, triton_decode.DecodeConfig(num_splits=splits), 132, False)
 
-  text = jax.jit(fwd).trace(sd((4, 1, 32, 128), jnp.bfloat16),
-                            sd((4, 8192, 8, 128), jnp.bfloat16),
-                            sd((4, 8192, 8, 128), jnp.bfloat16)).lower(
+  text = jax.jit(fwd).trace(sd((4, sq, hq, 128), jnp.bfloat16),
+                            sd((4, 8192, hkv, 128), jnp.bfloat16),
+                            sd((4, 8192, hkv, 128), jnp.bfloat16)).lower(
                                 lowering_platforms=("cuda",)).as_text()
   assert "flashjax_pallas_triton_decode" in text
+  direct = triton_decode.direct(spec_lib.abstract_spec(
+      batch=4, seq_q=sq, seq_k=8192, heads_q=hq, heads_kv=hkv, head_dim=128))
+  assert direct == (sq * hq // hkv >= 16)
+  # Packing q moves its rows (a transpose, or a pad where Sq = 1); the direct
+  # layout reads q as it is and, with one split, returns the kernel's output.
+  # (Merging splits transposes their small [B, Hq, Sq] weights.)
+  moved = "stablehlo.transpose" in text or "stablehlo.pad" in text
+  if not direct:
+    assert moved
+  elif splits == 1:
+    assert not moved
+    assert "stablehlo.reduce" not in text and "stablehlo.exponential" not in text
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
@@ -209,11 +230,13 @@ def test_kvcache_default_tiles_are_the_tiles_that_run():
   assert tk.supported(mk(page_size=7, capacity=35)) is None
 
 
-@pytest.mark.parametrize("page_size,block_kv", [(16, 64), (16, 32), (5, 16), (96, 64)])
-def test_kvcache_gathered_tiles_match_page_tiles(page_size, block_kv):
+@pytest.mark.parametrize("page_size,block_kv,sq",
+                         [(16, 64, 2), (16, 32, 4), (5, 16, 2), (96, 64, 4)])
+def test_kvcache_gathered_tiles_match_page_tiles(page_size, block_kv, sq):
   """A tile gathered across pages (interpret mode) gives what the xla path gives,
   on a pool whose unused pages hold NaN and rows that end mid-tile, mid-page and
-  past the last whole tile."""
+  past the last whole tile; two splits, with q packed (Sq = 2: 8 rows) or read
+  in the call's layout (Sq = 4: 16 rows)."""
   import flashjax
   from flashjax.pallas_gpu.triton import kvcache as tk
   rng = np.random.default_rng(page_size + block_kv)
@@ -228,20 +251,49 @@ def test_kvcache_gathered_tiles_match_page_tiles(page_size, block_kv):
     used = -(-int(lens[row]) // page_size)
     kc[table[row, used:]] = np.nan
     vc[table[row, used:]] = np.nan
-  q = rng.standard_normal((b, 2, hq, d)).astype(np.float32)
+  q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
   args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc))
   kw = dict(cache_seqlens=jnp.asarray(lens, jnp.int32), is_causal=True,
             page_table=jnp.asarray(table, jnp.int32), return_softmax_lse=True)
   cfg = triton_decode.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=2)
   spec = flashjax.common.kvcache.KvCacheSpec(
-      batch=b, seq_q=2, heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_v=d,
+      batch=b, seq_q=sq, heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_v=d,
       dtype="float32", softmax_scale=0.1, cache_rows=num_pages, capacity=cap,
       page_size=page_size)
   assert tk.gathered(spec, tk._block_kv(spec, cfg))
+  assert triton_decode.direct(spec) == (sq == 4)
+  assert tk.num_splits(spec, cfg, 132) == 2
   got = flashjax.flash_mha_with_kvcache(*args, **kw, backend="gpu",
                                         platform="pallas-triton", interpret=True,
                                         config=cfg)
   want = flashjax.flash_mha_with_kvcache(*args, **kw, platform="xla")
   for x, y in zip(got, want):
     assert not np.isnan(np.asarray(x)).any()
+    np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5)
+
+
+def test_kvcache_direct_layout_with_splits_and_sinks_matches_xla():
+  """A contiguous cache, 16 query rows per kv head (the call's layout), three
+  splits merged through their lse, sinks added after the merge."""
+  import flashjax
+  from flashjax.pallas_gpu.triton import kvcache as tk
+  rng = np.random.default_rng(11)
+  b, sq, hq, hkv, d, cap = 2, 4, 8, 2, 32, 200
+  q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), jnp.float32)
+  kc = jnp.asarray(rng.standard_normal((b, cap, hkv, d)), jnp.float32)
+  vc = jnp.asarray(rng.standard_normal((b, cap, hkv, d)), jnp.float32)
+  kw = dict(cache_seqlens=jnp.asarray([cap, 150], jnp.int32), is_causal=True,
+            sinks=jnp.asarray(rng.standard_normal(hq), jnp.float32),
+            return_softmax_lse=True)
+  cfg = triton_decode.DecodeConfig(block_kv=32, num_stages=2, num_splits=3)
+  spec = flashjax.common.kvcache.KvCacheSpec(
+      batch=b, seq_q=sq, heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_v=d,
+      dtype="float32", softmax_scale=0.1, cache_rows=b, capacity=cap,
+      page_size=None, num_splits=3, num_sinks=1)
+  assert triton_decode.direct(spec) and tk.num_splits(spec, cfg, 132) == 3
+  got = flashjax.flash_mha_with_kvcache(q, kc, vc, **kw, backend="gpu",
+                                        platform="pallas-triton", interpret=True,
+                                        config=cfg)
+  want = flashjax.flash_mha_with_kvcache(q, kc, vc, **kw, platform="xla")
+  for x, y in zip(got, want):
     np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5)

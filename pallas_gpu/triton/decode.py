@@ -4,13 +4,18 @@ A decode step has one q block per (batch, head), so the training forward, which
 parallelises over q blocks, leaves most SMs idle while it streams the cache. Here
 (FlashDecoding):
 
-- the q rows of all heads of one kv head are packed into the tile's rows
-  (``group_size * seq_q`` of them, row ``g * seq_q + s`` for head ``g``, query
-  ``s``), so each K/V tile is read once per kv head;
+- the q rows of all heads of one kv head form the tile's rows (``group_size *
+  seq_q`` of them), so each K/V tile is read once per kv head. Where both counts
+  are powers of two filling 16-64 rows (:func:`direct`) the kernel reads them as
+  the ``[Sq, G, D]`` block of q (row ``s * G + g`` for query ``s`` of head ``g``)
+  and writes out and lse in the call's layout; otherwise XLA packs q first
+  (``kvcache.group_queries``: row ``g * Sq + s``, padded to 16 rows) and unpacks
+  the results;
 - the grid is (splits, B, Hkv): each program runs the online softmax over its own
-  share of the key tiles and writes a normalised fp32 partial output and its lse;
+  share of the key tiles and writes a normalised partial output (fp32) and its lse;
 - ``combine`` merges the splits exactly through their lse in XLA (a few MB against
-  the GBs of cache read).
+  the GBs of cache read); a direct call with one split and no sinks
+  (:func:`final`) writes its output in q's dtype and needs no merge.
 
 Keys are read straight from ``[B, Sk, Hkv, D]`` with no padding copy: a ragged
 last tile is read from ``Sk - block_kv`` (overlapping the previous one) and the
@@ -33,8 +38,8 @@ from ...common import kvcache as kv
 from ...common.blocking import LN2, LOG2E
 from ...common import spec as spec_lib
 
-# Rows of the packed q tile: the fp32 accumulator of 64 rows x 128 columns is 64
-# registers per thread over 4 warps.
+# Rows of the q tile (either layout): the fp32 accumulator of 64 rows x 128
+# columns is 64 registers per thread over 4 warps.
 MAX_ROWS = 64
 MIN_ROWS = 16  # the smallest M of a tensor-core product in Triton
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -70,8 +75,8 @@ def applies(spec: spec_lib.AttentionSpec) -> bool:
 
 
 def packed_rows(spec) -> int:
-  """Rows of the packed q tile: the call's queries times the q heads of a kv head,
-  a power of two of at least ``MIN_ROWS``."""
+  """Rows of the q tile, in either layout: the call's queries times the q heads
+  of a kv head, a power of two of at least ``MIN_ROWS``."""
   return max(MIN_ROWS, 1 << (spec.seq_q * spec.group_size - 1).bit_length())
 
 
@@ -260,7 +265,7 @@ def q_operand(q, spec, rows: int):
   """``(array, BlockSpec)`` of the q rows for grid ``(split, batch, kv head)``:
   the call's q itself where :func:`direct`, else q packed by
   ``kvcache.group_queries`` and padded to ``rows``."""
-  b, sq, hq, d = q.shape
+  sq, d = q.shape[1], q.shape[3]
   if direct(spec):
     return q, pl.BlockSpec((None, sq, spec.group_size, d),
                            lambda s, i, h: (i, 0, h, 0))
@@ -340,7 +345,7 @@ def combine(out_parts, lse_parts, spec):
   """The splits of :func:`launch` merged through their lse: ``out [B, Sq, Hq,
   Dv]`` (fp32, or as written where :func:`final`) and ``lse [B, Hq, Sq]``; rows
   no split reached give 0 and -inf."""
-  if out_parts.shape[0] == 1 and final(spec, 1):
+  if final(spec, out_parts.shape[0]):
     return out_parts[0], lse_parts[0]
   lse = jax.nn.logsumexp(lse_parts, axis=0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_parts - lse), 0.0)
