@@ -40,6 +40,7 @@ import numpy as np
 
 from . import dropout as dropout_lib
 from . import epilogue
+from . import rows as rows_lib
 from .compat import vary_like, varying_axes
 from .mask import Band
 from .spec import AttentionSpec, Operands
@@ -228,8 +229,12 @@ class FixedKernel:
 @dataclasses.dataclass(frozen=True)
 class Packet:
   """Arrays of mixed dtypes as one flat buffer, so that one ``ppermute`` moves
-  them all. The buffer's unit is the unsigned int of the smallest item size;
-  wider items become several units (``bitcast_convert_type``).
+  them all. Where all share one dtype (the forward's K and V) it is the
+  buffer's unit, so that a kernel can read them there (``unpack(...,
+  rows=True)``); else the unit is the unsigned int of the smallest item size
+  and wider items become several units (``bitcast_convert_type``). Other bits
+  never travel as floats: XLA may canonicalise them (on CPU the fp32 dK/dV
+  bits seen as bf16 came back changed, 2026-11-26).
 
   Attributes:
     shapes, dtypes: of the arrays, in order.
@@ -244,6 +249,8 @@ class Packet:
 
   @property
   def unit(self):
+    if len(set(self.dtypes)) == 1 and self.dtypes[0] != jnp.bool_:
+      return self.dtypes[0]
     return jnp.dtype(f"uint{8 * min(d.itemsize for d in self.dtypes)}")
 
   def _ratio(self, dtype) -> int:
@@ -251,16 +258,27 @@ class Packet:
 
   def pack(self, arrays) -> jax.Array:
     flat = []
-    for x, dtype in zip(arrays, self.dtypes):
+    for x, dtype in zip(rows_lib.materialize(list(arrays)), self.dtypes):
       x = x.astype(jnp.uint8 if dtype == jnp.bool_ else dtype)  # bools don't bitcast
       flat.append(jax.lax.bitcast_convert_type(x, self.unit).reshape(-1))
     return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
 
-  def unpack(self, buf) -> list:
+  def unpack(self, buf, rows: bool = False) -> list:
+    """The arrays of ``buf``. With ``rows``, an array of the unit's dtype whose
+    rows (axes 2 onwards) divide the buffer evenly comes as a ``rows.Rows``
+    window of the buffer seen as ``[units / row, *shape[1:]]`` (a bitcast),
+    which no copy precedes."""
     out, at = [], 0
     for shape, dtype in zip(self.shapes, self.dtypes):
       r = self._ratio(dtype)
       size = int(np.prod(shape, dtype=np.int64)) * r
+      inner = int(np.prod(shape[1:], dtype=np.int64))
+      if (rows and dtype == self.unit and len(shape) >= 2 and inner and
+          buf.shape[0] % inner == 0 and at % inner == 0):
+        base = buf.reshape((buf.shape[0] // inner,) + tuple(shape[1:]))
+        out.append(rows_lib.Rows(base, at // inner, shape[0], 0, shape[1]))
+        at += size
+        continue
       y = jax.lax.slice_in_dim(buf, at, at + size).reshape(
           shape + ((r,) if r > 1 else ()))
       if dtype == jnp.bool_:
@@ -339,15 +357,22 @@ class _Ring:
     self.ck = spec.seq_k // plan.num_chunks
     self.all = (0, plan.num_chunks)
 
-  def q_rows(self, x, rows, axis=1):
-    if x is None or rows == self.all:
+  @staticmethod
+  def _chunks(x, span, size, axis):
+    if x is None or span == (0, x.shape[axis] // size):
       return x
-    return jax.lax.slice_in_dim(x, rows[0] * self.cq, rows[1] * self.cq, axis=axis)
+    start, stop = span[0] * size, span[1] * size
+    if isinstance(x, rows_lib.Rows):
+      assert axis == 1, axis
+      return x.rows(start, stop - start)
+    return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+
+  def q_rows(self, x, rows, axis=1):
+    """The chunk range ``rows`` of ``x``'s rows (a ``Rows`` stays one)."""
+    return self._chunks(x, rows, self.cq, axis)
 
   def kv_rows(self, x, keys, axis=1):
-    if x is None or keys == self.all:
-      return x
-    return jax.lax.slice_in_dim(x, keys[0] * self.ck, keys[1] * self.ck, axis=axis)
+    return self._chunks(x, keys, self.ck, axis)
 
   def rotate(self, x):
     """``x`` of device ``r`` moved to device ``r + 1``."""
@@ -386,7 +411,7 @@ class _Ring:
   def operands(self, ops: Operands, kv, hop, rows, keys) -> Operands:
     """A call's operands: its rows of q, its keys of the block ``kv`` held at
     ``hop``, the bias/mask block, and the dropout seed of its first row and key
-    (global offsets)."""
+    (global offsets). q, K and V are ``rows.Rows`` windows (:func:`call_args`)."""
     k, v, kv_ids = kv
     seed = None
     if ops.dropout_seed is not None:
@@ -395,12 +420,15 @@ class _Ring:
           ops.dropout_seed, shard_offset(plan.batch_axes, spec.batch),
           shard_offset(plan.head_axes, spec.heads_q),
           *plan.offsets(self.r, hop, rows[0], keys[0], self.cq, self.ck))
+    window = rows_lib.Rows.of
     return Operands(
-        q=self.q_rows(ops.q, rows), k=self.kv_rows(k, keys), v=self.kv_rows(v, keys),
+        q=self.q_rows(window(ops.q), rows), k=self.kv_rows(window(k), keys),
+        v=self.kv_rows(window(v), keys),
         bias=self.dense_block(ops.bias, hop, rows, keys),
         mask=self.dense_block(ops.mask, hop, rows, keys),
         q_segment_ids=self.q_rows(ops.q_segment_ids, rows),
-        kv_segment_ids=self.kv_rows(kv_ids, keys), dropout_seed=seed)
+        kv_segment_ids=self.kv_rows(rows_lib.materialize(kv_ids), keys),
+        dropout_seed=seed)
 
   def calls(self, hops):
     """The calls (``RingPlan.hop_calls``) of every device at each of ``hops``."""
@@ -455,7 +483,7 @@ class _Ring:
     if n == 1:
       return step([0], 0, self.kv_triple(message), carry)
     packet = Packet.of(message)
-    block = lambda buf: self.kv_triple(packet.unpack(buf))
+    block = lambda buf: self.kv_triple(packet.unpack(buf, rows=True))
     sent = self.rotate(packet.pack(message))
     carry = step([0], 0, self.kv_triple(message), carry)
     buf, mid = sent, list(range(1, n - 1))
@@ -465,6 +493,12 @@ class _Ring:
         return (self.rotate(buf), step(mid, t, block(buf), carry)), None
       (buf, carry), _ = jax.lax.scan(body, (buf, carry), jnp.arange(len(mid)))
     return step([n - 1], 0, block(buf), carry)
+
+
+def call_args(fn, *args):
+  """``args`` for the platform function ``fn``: ``rows.Rows`` windows as they
+  are where it reads them in place (``rows.takes_rows``), else sliced."""
+  return args if rows_lib.accepts(fn) else rows_lib.materialize(args)
 
 
 def _merge(acc, part):
@@ -500,8 +534,8 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
     parts = []
     for rows, keys, band in calls:
       sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
-      fwd, _, config = kernel(sub, hs)
-      out, lse = fwd(sub, hs, config)
+      fwd, _, config = kernel(rows_lib.materialize(sub), hs)
+      out, lse = fwd(*call_args(fwd, sub), hs, config)
       parts.append((rows, (out, lse.astype(f32))))
     # Calls over some chunks' rows: merged chunk by chunk, then concatenated.
     out, lse = ring.by_chunks(
@@ -557,9 +591,11 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
     dkv = []
     for rows, keys, band in calls:
       sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
-      _, bwd, config = kernel(sub, hs)
-      g = bwd(sub, hs, config, ring.q_rows(out, rows), ring.q_rows(lse, rows, 2),
-              ring.q_rows(do, rows), ring.q_rows(dlse, rows, 2))
+      _, bwd, config = kernel(rows_lib.materialize(sub), hs)
+      window = lambda x: ring.q_rows(rows_lib.Rows.of(x), rows)
+      sub, o, d = call_args(bwd, sub, window(out), window(do))
+      g = bwd(sub, hs, config, o, ring.q_rows(lse, rows, 2), d,
+              ring.q_rows(dlse, rows, 2))
       dq = add(dq, g.q, rows, ring.cq)
       dkv.append((keys, (g.k, g.v)))
       if dbias is not None:
@@ -598,23 +634,22 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
     both = Packet(kv_packet.shapes + acc_packet.shapes,
                   kv_packet.dtypes + acc_packet.dtypes)
     buf, m = ring.rotate(kv_packet.pack(own)), len(own)
-    kv, sent = kv_packet.unpack(buf), ring.rotate(buf) if n > 2 else None
+    kv, sent = kv_packet.unpack(buf, rows=True), ring.rotate(buf) if n > 2 else None
     acc, dq, dbias = step([1], 0, ring.kv_triple(kv), dq, dbias)
     if n > 2:
-      kv, mid = kv_packet.unpack(sent), list(range(2, n - 1))
+      kv, mid = kv_packet.unpack(sent, rows=True), list(range(2, n - 1))
       if mid:
         def body(carry, t):
           msg, dq, dbias = carry
           sent = ring.rotate(msg)
-          g, dq, dbias = step(mid, t, ring.kv_triple(both.unpack(msg)[:m]), dq,
-                              dbias)
+          g, dq, dbias = step(mid, t, ring.kv_triple(both.unpack(msg, rows=True)[:m]),
+                              dq, dbias)
           got = both.unpack(sent)
           return (both.pack(got[:m] + [x + y for x, y in zip(got[m:], g)]),
                   dq, dbias), None
         (msg, dq, dbias), _ = jax.lax.scan(body, (both.pack(kv + acc), dq, dbias),
                                            jnp.arange(len(mid)))
-        leaves = both.unpack(msg)
-        kv, acc = leaves[:m], leaves[m:]
+        kv, acc = both.unpack(msg, rows=True)[:m], both.unpack(msg)[m:]
       sent = ring.rotate(acc_packet.pack(acc))
       g, dq, dbias = step([n - 1], 0, ring.kv_triple(kv), dq, dbias)
       acc = [x + y for x, y in zip(acc_packet.unpack(sent), g)]

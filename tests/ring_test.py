@@ -155,6 +155,43 @@ FOUR = PRELUDE + textwrap.dedent("""
     check("zigzag", causal=True, dtype=jnp.bfloat16)
     check("zigzag", sliding_window=(20, 3), dropout_rate=0.2, dropout_seed=3,
           dtype=jnp.bfloat16)
+
+    # A platform that reads its operands in place (rows.takes_rows, as the
+    # Mosaic kernels do) gets the forward's K and V as windows of the hop's
+    # message and a chunk's q rows as windows of q; the results stay exact.
+    from flashjax import ring as ring_module
+    from flashjax.common import rows
+    seen = []
+    plain = ring_module.HopKernel.__call__
+
+    def in_place(self, ops, spec):
+        fwd, bwd, config = plain(self, ops, spec)
+
+        def wrap(fn, kind):
+            def f(ops, *args):
+                got = [ops.q, ops.k, ops.v] + list(args[2:5:2])  # bwd: out, do
+                seen.append((kind, [(x.at, x.base.shape[:2], x.length)
+                                    if isinstance(x, rows.Rows) else None
+                                    for x in got]))
+                return fn(*rows.materialize((ops,) + args))
+            return rows.takes_rows(f)
+        return wrap(fwd, "fwd"), wrap(bwd, "bwd"), config
+
+    ring_module.HopKernel.__call__ = in_place
+    try:
+        check("zigzag", causal=True, dtype=jnp.bfloat16)
+    finally:
+        ring_module.HopKernel.__call__ = plain
+    c = S // n // 2  # rows of a chunk
+    fwd_kv = [w[1:3] for kind, w in seen if kind == "fwd" and w[1] and w[1][1][0] > B]
+    # The message holds K then V: batch entries [0, B) and [B, 2B) of its rows.
+    assert fwd_kv and all(k[0] == (0, 0) and v[0] == (B, 0) for k, v in fwd_kv), seen
+    assert any(k[2] == c for k, _ in fwd_kv), seen  # the first chunk of a block
+    q_rows = [w[0] for _, w in seen if w[0][0] != (0, 0)]
+    assert q_rows and all(q == ((0, c), (B, 2 * c), c) for q in q_rows), seen
+    # The backward gets dO and out windows of the same rows as q.
+    assert all(w[3] == w[4] == w[0] for kind, w in seen if kind == "bwd"), seen
+    print("ok in place", len(seen), flush=True)
     # Window bounds of single hops lie off the diagonal (left -12, right -13).
     check("contiguous", platform="pallas-triton", check_vma=False,
           sliding_window=(20, 3), sinks="sinks")

@@ -168,6 +168,46 @@ def test_packet_round_trip():
     assert g.dtype == x.dtype and g.shape == x.shape
     np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
   assert ring.Packet.of(xs[:3]).unit == jnp.uint16
+  assert ring.Packet.of([xs[0], xs[0]]).unit == jnp.bfloat16
+
+
+def test_packet_rows_are_windows_of_the_buffer():
+  # K and V of one dtype come as windows of the buffer seen as rows; with fp32
+  # accumulators or int32 ids beside them the unit is an unsigned int and every
+  # array is sliced out (and exact: no bits travel as floats).
+  from flashjax.common.rows import Rows
+  key = iter(jax.random.split(jax.random.key(0), 8))
+  kv = [jax.random.normal(next(key), (2, 6, 3, 4), jnp.bfloat16) for _ in range(2)]
+  packet = ring.Packet.of(kv)
+  buf = packet.pack(kv)
+  assert buf.dtype == jnp.bfloat16 and buf.size == 2 * 2 * 6 * 3 * 4
+  got = packet.unpack(buf, rows=True)
+  for i, (g, x) in enumerate(zip(got, kv)):
+    assert isinstance(g, Rows) and g.base.shape == (4, 6, 3, 4), g
+    assert g.at == (2 * i, 0) and g.shape == x.shape and g.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(g.array(), np.float32),
+                                  np.asarray(x, np.float32))
+  narrow = got[1].rows(2, 3)
+  assert narrow.at == (2, 2) and narrow.shape == (2, 3, 3, 4)
+  np.testing.assert_array_equal(np.asarray(narrow.array(), np.float32),
+                                np.asarray(kv[1][:, 2:5], np.float32))
+  # Denormal and NaN-pattern bits of fp32 accumulators survive the trip.
+  acc = [jax.lax.bitcast_convert_type(
+      jax.random.bits(next(key), (2, 6, 3, 4), jnp.uint32), jnp.float32)] * 2
+  ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+  for extra in (acc, [ids]):
+    mixed = ring.Packet.of(kv + extra)
+    got = jax.jit(lambda b: mixed.unpack(b, rows=True))(
+        jax.jit(mixed.pack)(kv + extra))
+    assert mixed.unit == jnp.uint16 and not any(isinstance(g, Rows) for g in got)
+    for g, x in zip(got, kv + extra):
+      bits = lambda y: np.asarray(jax.lax.bitcast_convert_type(
+          y, jnp.dtype(f"uint{8 * y.dtype.itemsize}")))
+      np.testing.assert_array_equal(bits(g), bits(x))
+  with pytest.raises(ValueError, match="outside"):
+    Rows(kv[0], 1, 2, 0, 6)
+  with pytest.raises(ValueError, match="outside"):
+    Rows.of(kv[0]).rows(4, 3)
 
 
 def _result_dtypes(plan, positions, hops):

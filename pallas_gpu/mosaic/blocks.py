@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
@@ -62,6 +63,12 @@ class Geometry:
   # Dropout: the kernels take dropout.kernel_seed(..., positions=True) and hash
   # each kept probability's global coordinates (dropout_row_keys, dropout_col_keys).
   dropout_rate: float = 0.0
+  # Operands read in place (common/rows.py): the (batch, row) offsets of the
+  # windows of q (and dO), K and V, shaped as above, in the arrays the kernels
+  # get; (0, 0) where an array is its window.
+  q_at: tuple = (0, 0)
+  k_at: tuple = (0, 0)
+  v_at: tuple = (0, 0)
 
   @property
   def group(self) -> int:
@@ -85,6 +92,20 @@ class Geometry:
   @property
   def num_kv_tiles(self) -> int:
     return self.seq_k_padded // (2 * self.block_kv)
+
+
+def _window(ref, at, batch: int, rows: int):
+  if ref is None or (tuple(at) == (0, 0) and tuple(ref.shape[:2]) == (batch, rows)):
+    return ref
+  return ref.at[pl.ds(at[0], batch), pl.ds(at[1], rows)]
+
+
+def windows(g: Geometry, q, k, v, do=None):
+  """The kernel's ``q, k, v, do`` refs as the windows at ``g``'s offsets (a
+  ref view: the TMA copies add the offsets, nothing is copied)."""
+  qs, ks = g.seq_q_padded, g.seq_k_padded
+  return (_window(q, g.q_at, g.batch, qs), _window(k, g.k_at, g.batch, ks),
+          _window(v, g.v_at, g.batch, ks), _window(do, g.q_at, g.batch, qs))
 
 
 def _i32(x):

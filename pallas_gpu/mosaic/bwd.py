@@ -54,7 +54,7 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
 from .blocks import (Geometry, cta_block_ranges, cta_q_ranges, dropout_col_keys,
-                     dropout_keep, dropout_keys_from_halves, positions)
+                     dropout_keep, dropout_keys_from_halves, positions, windows)
 
 
 def _probs(scores, lse2, g: Geometry):
@@ -310,10 +310,12 @@ def _dkv_ids(seg):
   return (seg[1], seg[0], seg[2]) if seg else ()
 
 
-def _inputs(refs, seed):
-  """``(q, k, v, do, stats, seed or None)`` refs and the rest."""
+def _inputs(refs, seed, g: Geometry):
+  """``(q, k, v, do, stats, seed or None)`` refs (q, K, V and dO as the windows
+  at ``g``'s offsets) and the rest."""
   n = 6 if seed is not None else 5
-  return tuple(refs[:n]) + (None,) * (6 - n), refs[n:]
+  q, k, v, do = windows(g, *refs[:3], refs[3])
+  return (q, k, v, do) + tuple(refs[4:n]) + (None,) * (6 - n), refs[n:]
 
 
 def _seed(seed):
@@ -334,7 +336,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
 
   def entry(*refs):
     where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
-    ins, rest = _inputs(refs, seed)
+    ins, rest = _inputs(refs, seed, g)
     _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
@@ -488,10 +490,11 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
   def entry(*refs):
     where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
              lax.axis_index("b"))
-    ins, rest = _inputs(refs, seed)
+    ins, rest = _inputs(refs, seed, g)
     _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
-  return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype),
+  q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
+  return _launch(entry, jax.ShapeDtypeStruct(q_shape, q.dtype),
                  (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
                      q, k, v, do, stats, *_seed(seed), *segments)
 
@@ -518,7 +521,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
 
   def entry(*refs):
     t = lax.axis_index("t")
-    ins, rest = _inputs(refs, seed)
+    ins, rest = _inputs(refs, seed, g_dq)
     dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
     dq_ref, dk_ref, dv_ref = rest[n1 + n2:]
 
@@ -532,7 +535,8 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
       _run(dq_kernel, dq_scoped, ins, (dq_ref,), (_dq_tile(g_dq, tile), h, b), dq_seg)
 
   kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
-  out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+  q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
+  out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype))
   return _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(

@@ -60,7 +60,7 @@ from .. import tail_merge
 from . import pipeline
 from .blocks import (Geometry, dropout_col_keys, dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
-                     unit_walk)
+                     unit_walk, windows)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -367,6 +367,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     bias_tiling = (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
 
   def entry(q_ref, k_ref, v_ref, *refs):
+    q_ref, k_ref, v_ref, _ = windows(g, q_ref, k_ref, v_ref)
     seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[n_in:]
     bias_ref = refs[len(segments)] if bias is not None else None
     seed_ref = refs[n_in - 1] if seed is not None else None
@@ -401,7 +402,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
                   *seg_scoped, *bias_scoped, collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
+  out_type = (jax.ShapeDtypeStruct((g.batch, g.seq_q_padded, g.heads_q, d), dtype),
               jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded), jnp.float32))
   if tail is not None:
     rows = (tail.count, tail.parts, 2 * bq)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ...common import (blocking, configs, dropout, epilogue, hardware, platform,
-                       segments, vjp)
+                       rows, segments, vjp)
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
@@ -128,6 +128,25 @@ def _pad(x, seq, d):
   return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, d - x.shape[3])))
 
 
+def kernel_operands(g: Geometry, q, k, v, do=None):
+  """``([q, k, v] (+ [do]), g)``: the kernels' operands, padded to ``g``'s
+  lengths and head dim, and ``g`` with their offsets. A ``rows.Rows`` window
+  that needs no padding goes as its base, read in place at its offsets (a ring
+  hop's K and V in their message, a chunk's q rows); anything else is sliced and
+  padded. q and dO share one offset."""
+  qs, ks, d = g.seq_q_padded, g.seq_k_padded, g.head_dim
+  fits = lambda x, s: isinstance(x, rows.Rows) and x.length == s and x.shape[3] == d
+  padded = lambda x, s: _pad(rows.materialize(x), s, d)
+  q_side = [q] if do is None else [q, do]
+  if all(fits(x, qs) for x in q_side) and len({x.at for x in q_side}) == 1:
+    (q, *do), q_at = [x.base for x in q_side], q.at
+  else:
+    (q, *do), q_at = [padded(x, qs) for x in q_side], (0, 0)
+  (k, k_at), (v, v_at) = ((x.base, x.at) if fits(x, ks) else (padded(x, ks), (0, 0))
+                          for x in (k, v))
+  return [q, k, v, *do], dataclasses.replace(g, q_at=q_at, k_at=k_at, v_at=v_at)
+
+
 def _pad_ids(ids, seq):
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, seq - ids.shape[1])), mode="edge")
 
@@ -158,30 +177,33 @@ def dropout_words(ops, spec):
   return dropout.kernel_seed(ops.dropout_seed, positions=True)
 
 
+@rows.takes_rows
 def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
   # over the SMs instead (triton/decode.py).
   if decode.applies(spec):
-    return decode.forward(ops, spec, None,
+    return decode.forward(rows.materialize(ops), spec, None,
                           hardware.num_sms(), False)
   from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
-  out, lse = fwd.forward(_pad(ops.q, g.seq_q_padded, g.head_dim),
-                         _pad(ops.k, g.seq_k_padded, g.head_dim),
-                         _pad(ops.v, g.seq_k_padded, g.head_dim), g,
-                         segment_operands(ops, g), tile, dropout_words(ops, spec))
+  (q, k, v), g = kernel_operands(g, ops.q, ops.k, ops.v)
+  out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile,
+                         dropout_words(ops, spec))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
+@rows.takes_rows
 def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if not uses_mosaic_backward(spec, static.config):
+    ops, out, do = rows.materialize((ops, out, do))
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
                                   out, lse, do, dlse)
   from . import bwd  # imports Mosaic-GPU lowering only when used
   g_dq, g_dkv = backward_geometries(spec, static.config)
-  sqp, skp, d = g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim
-  row_delta, lse_rows, delta_rows = epilogue.backward_rows(out, do, dlse, lse, sqp)
-  rows = [lse_rows * bwd.LOG2E, delta_rows]
+  sqp = g_dq.seq_q_padded
+  row_delta, lse_rows, delta_rows = epilogue.backward_rows(
+      rows.materialize(out), rows.materialize(do), dlse, lse, sqp)
+  stat_rows = [lse_rows * bwd.LOG2E, delta_rows]
   seed = dropout_words(ops, spec)
   if seed is not None:
     # Each row's dropout key (three of the hash's four mixes) travels with its
@@ -190,10 +212,12 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     b, h, i = (jnp.arange(n, dtype=jnp.int32).reshape(
         [n if a == ax else 1 for a in range(3)]) for ax, n in
         enumerate(lse_rows.shape))
-    rows.extend(dropout_key_halves(dropout_row_keys(seed, b, h, i)))
-  stats = jnp.stack(rows, axis=2).astype(jnp.float32)
-  q, do = _pad(ops.q, sqp, d), _pad(do.astype(ops.q.dtype), sqp, d)
-  k, v = _pad(ops.k, skp, d), _pad(ops.v, skp, d)
+    stat_rows.extend(dropout_key_halves(dropout_row_keys(seed, b, h, i)))
+  stats = jnp.stack(stat_rows, axis=2).astype(jnp.float32)
+  if do.dtype != ops.q.dtype:
+    do = rows.materialize(do).astype(ops.q.dtype)
+  (q, k, v, do), g_dq = kernel_operands(g_dq, ops.q, ops.k, ops.v, do)
+  g_dkv = dataclasses.replace(g_dkv, q_at=g_dq.q_at, k_at=g_dq.k_at, v_at=g_dq.v_at)
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:

@@ -632,3 +632,78 @@ def test_blocks_between_documents_are_skipped(causal):
   conformance_packed.check_skips_between_documents(
       mosaic.flash_attention, doc_len=256, causal=causal, dtype="bfloat16",
       head_dim=64)
+
+
+def _windows(seq_q, causal):
+  """Operands as rows.Rows windows, as a ring hop passes them: q and dO rows
+  ``[128, 128 + seq_q)`` of 512-row arrays, K and V batch entries ``[0, 2)``
+  and ``[2, 4)`` of one buffer, at key rows ``[256, 512)``; with the spec and
+  config of the windows' shapes."""
+  from flashjax.common import rows
+  ks = jax.random.split(jax.random.key(5), 4)
+  q_base, do_base = (jax.random.normal(k, (2, 512, 4, 128), jnp.bfloat16)
+                     for k in ks[:2])
+  kv_base = jax.random.normal(ks[2], (4, 512, 2, 128), jnp.bfloat16)
+  q, do = (rows.Rows(x, 0, 2, 128, seq_q) for x in (q_base, do_base))
+  k, v = rows.Rows(kv_base, 0, 2, 256, 256), rows.Rows(kv_base, 2, 2, 256, 256)
+  ops, spec = spec_lib.canonicalize(*rows.materialize((q, k, v)), causal=causal)
+  static = platform.Static(dataclasses.replace(
+      mosaic.default_config(spec), backward=pallas_triton.default_config(spec)))
+  dlse = jax.random.normal(ks[3], (2, 4, seq_q), jnp.float32)
+  return ops._replace(q=q, k=k, v=v), spec, static, do, dlse
+
+
+def _forward_backward(ops, spec, static, do, dlse):
+  out, lse = mosaic.forward(ops, spec, static)
+  grads = mosaic.backward(ops, spec, static, out, lse, do, dlse)
+  return out, lse, grads.q, grads.k, grads.v
+
+
+def test_windows_are_read_in_place():
+  """Rows windows that need no padding reach the kernels as their base arrays
+  (offsets in the Geometry), with no slice before the custom calls; a window
+  of 200 rows (padded to a tile) is sliced and padded."""
+  assert mosaic.forward.takes_rows and mosaic.backward.takes_rows
+  for seq_q, in_place in ((256, True), (200, False)):
+    ops, spec, static, do, dlse = _windows(seq_q, causal=True)
+    text = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse)).trace(
+        ops, do).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2, calls  # forward, one-launch backward
+    for call in calls:
+      # K and V: one operand type twice, the whole buffer.
+      assert call.count("tensor<4x512x2x128xbf16>") == 2, call
+      assert ("tensor<2x512x4x128xbf16>" in call) == in_place, call
+  ops, spec, static, do, dlse = _windows(256, causal=False)
+  g = mosaic.kernel_operands(mosaic.geometry(spec, static.config), ops.q, ops.k,
+                             ops.v)[1]
+  assert (g.q_at, g.k_at, g.v_at) == ((0, 128), (0, 256), (2, 256))
+  # q and dO at different rows: both sliced.
+  g = mosaic.kernel_operands(g, ops.q, ops.k, ops.v, do.rows(8, 248))[1]
+  assert g.q_at == (0, 0) and g.k_at == (0, 256)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("seq_q,causal", [(256, True), (256, False), (200, True)])
+def test_windows_equal_their_slices(seq_q, causal):
+  """Outputs, lse and gradients from windows read in place equal those of the
+  same windows sliced out, bit for bit (the kernels run the same arithmetic),
+  and the reference's."""
+  from flashjax.common import reference, rows
+  ops, spec, static, do, dlse = _windows(seq_q, causal)
+  run = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse))
+  got = run(ops, do)
+  want = run(*rows.materialize((ops, do)))
+  for a, b in zip(got, want):
+    assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  q, k, v, d = (x.array().astype(jnp.float32) for x in (ops.q, ops.k, ops.v, do))
+  (ref_out, ref_lse), pull = jax.vjp(
+      lambda q, k, v: reference.attention(q, k, v, causal=causal, return_lse=True),
+      q, k, v)
+  ref_grads = pull((d, dlse))
+  tol, gtol = tolerances.forward("bfloat16"), tolerances.grad("bfloat16")
+  tolerances.assert_close(got[0], ref_out, tol, name="out")
+  tolerances.assert_close(got[1], ref_lse, tol, name="lse")
+  for name, g, r in zip("qkv", got[2:], ref_grads):
+    tolerances.assert_close(g, r, gtol, name="d" + name)
