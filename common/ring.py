@@ -46,9 +46,6 @@ from .mask import Band
 from .spec import AttentionSpec, Operands
 
 LAYOUTS = ("contiguous", "zigzag")
-# Backward rings of up to this many middle hops (n - 3) run them unrolled
-# (_Ring.loop); longer ones in a scan, whose program does not grow with n.
-UNROLLED_HOPS = 8
 
 
 def check_layout(layout):
@@ -259,26 +256,12 @@ class Packet:
   def _ratio(self, dtype) -> int:
     return dtype.itemsize // self.unit.itemsize
 
-  def _flat(self, arrays, dtypes) -> jax.Array:
+  def pack(self, arrays) -> jax.Array:
     flat = []
-    for x, dtype in zip(rows_lib.materialize(list(arrays)), dtypes):
+    for x, dtype in zip(rows_lib.materialize(list(arrays)), self.dtypes):
       x = x.astype(jnp.uint8 if dtype == jnp.bool_ else dtype)  # bools don't bitcast
       flat.append(jax.lax.bitcast_convert_type(x, self.unit).reshape(-1))
     return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-
-  def _units(self, i: int) -> int:
-    return int(np.prod(self.shapes[i], dtype=np.int64)) * self._ratio(self.dtypes[i])
-
-  def pack(self, arrays) -> jax.Array:
-    return self._flat(arrays, self.dtypes)
-
-  def put(self, buf, first: int, arrays) -> jax.Array:
-    """``buf`` with its arrays ``first, first + 1, ...`` replaced by ``arrays``:
-    one ``dynamic_update_slice``, which XLA runs in place where ``buf`` is not
-    used after it, so the arrays before ``first`` are not copied."""
-    at = sum(self._units(i) for i in range(first))
-    return jax.lax.dynamic_update_slice(
-        buf, self._flat(arrays, self.dtypes[first:]), (at,))
 
   def unpack(self, buf, rows: bool = False) -> list:
     """The arrays of ``buf``. With ``rows``, an array of the unit's dtype whose
@@ -495,10 +478,7 @@ class _Ring:
     """Runs ``step(hops, t, block, carry) -> carry`` over the ring's hops, hop
     ``0`` on this device's own block; before each hop's kernels the block leaves
     for the next device, as one message (``Packet``). ``message`` holds the
-    block's leaves. Hops ``1 .. n - 2`` run in one ``scan``: unrolled, XLA
-    left two of a forward's three transfers outside the kernels (exposed
-    transfer 77 -> 367 us per forward, peer copies, 8k rows per GPU on four
-    H200s, 2026-11-26)."""
+    block's leaves. Hops ``1 .. n - 2`` run in one ``scan``."""
     n = self.n
     if n == 1:
       return step([0], 0, self.kv_triple(message), carry)
@@ -506,25 +486,13 @@ class _Ring:
     block = lambda buf: self.kv_triple(packet.unpack(buf, rows=True))
     sent = self.rotate(packet.pack(message))
     carry = step([0], 0, self.kv_triple(message), carry)
-    mid = list(range(1, n - 1))
-
-    def body(c, t):
-      buf, carry = c
-      return self.rotate(buf), step(mid, t, block(buf), carry)
-    buf, carry = self.loop(body, (sent, carry), len(mid), unroll=False)
+    buf, mid = sent, list(range(1, n - 1))
+    if mid:
+      def body(c, t):
+        buf, carry = c
+        return (self.rotate(buf), step(mid, t, block(buf), carry)), None
+      (buf, carry), _ = jax.lax.scan(body, (buf, carry), jnp.arange(len(mid)))
     return step([n - 1], 0, block(buf), carry)
-
-  @staticmethod
-  def loop(body, carry, count: int, unroll: bool):
-    """``carry = body(carry, t)`` for ``t`` in ``range(count)``: unrolled
-    (``t`` a Python int) with ``unroll`` and up to ``UNROLLED_HOPS`` steps,
-    else a ``scan``."""
-    if count == 0 or (unroll and count <= UNROLLED_HOPS):
-      for t in range(count):
-        carry = body(carry, t)
-      return carry
-    return jax.lax.scan(lambda c, t: (body(c, t), None), carry,
-                        jnp.arange(count))[0]
 
 
 def call_args(fn, *args):
@@ -580,7 +548,7 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
     part = ring.switch(
         hops, t, functools.partial(run, dtype),
         lambda kv, at: empty(dtype, spec.seq_q, *jax.tree.leaves(kv)), kv, hops[0] + t)
-    # The accumulator is fp32 from the first hop on (a scan may carry it).
+    # The accumulator is fp32 from the first hop on (a scan carries it).
     return (part[0].astype(f32), part[1]) if acc is None else _merge(acc, part)
 
   # Hop 0 runs before any scan, so its result starts the accumulator.
@@ -676,17 +644,11 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
           sent = ring.rotate(msg)
           g, dq, dbias = step(mid, t, ring.kv_triple(both.unpack(msg, rows=True)[:m]),
                               dq, dbias)
-          # The block's K/V stay where they arrived; only its accumulators
-          # are rewritten (a concatenation copied the whole message: 80-97 us
-          # per hop, 8k rows per GPU on four H200s, 2026-11-26).
-          acc = [x + y for x, y in zip(both.unpack(sent)[m:], g)]
-          return both.put(sent, m, acc), dq, dbias
-        # Unrolled: in a scan each received message was copied into the loop's
-        # carry and the loop's test waited on the host every hop; unrolling
-        # took 0.65 ms (NCCL) and about 0.26 ms (peer copies) off a backward
-        # of 8k rows per GPU on four H200s (2026-11-26).
-        msg, dq, dbias = ring.loop(body, (both.pack(kv + acc), dq, dbias), len(mid),
-                                   unroll=True)
+          got = both.unpack(sent)
+          return (both.pack(got[:m] + [x + y for x, y in zip(got[m:], g)]),
+                  dq, dbias), None
+        (msg, dq, dbias), _ = jax.lax.scan(body, (both.pack(kv + acc), dq, dbias),
+                                           jnp.arange(len(mid)))
         kv, acc = both.unpack(msg, rows=True)[:m], both.unpack(msg)[m:]
       sent = ring.rotate(acc_packet.pack(acc))
       g, dq, dbias = step([n - 1], 0, ring.kv_triple(kv), dq, dbias)

@@ -133,43 +133,21 @@ FOUR = PRELUDE + textwrap.dedent("""
     assert "collective-permute" in hlo
     for op in ("all-gather", "all-to-all"):
         assert op not in hlo, op
-    # One message per hop: K, V and their ids travel as one buffer, sent before
-    # each of the first n - 1 hops (hops 1 .. n - 2 unrolled, or once in the
-    # body of a scan over them when there are more than UNROLLED_HOPS).
+    # One message per hop: K, V and their ids travel as one buffer, sent at hop
+    # 0 and once in the body of the scan over the middle hops.
     import re
-    from flashjax.common import ring as ring_lib
-
-    def counts(d):
-        # Permutes in the compiled forward and forward+backward, and scans in
-        # the latter's jaxpr; head dim d: new shapes, so no trace is reused.
-        fwd = jax.jit(jax.shard_map(
-            lambda q, k, v, s: flashjax.ring_attention(
-                q, k, v, axis_name="seq", causal=True, segment_ids=(s, s)),
-            mesh=mesh, in_specs=(P(None, "seq"),) * 4, out_specs=P(None, "seq")))
-        x = rand(B, S, H, d)
-        grad = jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a)), (0, 1, 2)))
-        hlo = [f.lower(x, x, x, seg).compile().as_text() for f in (fwd, grad)]
-        scans = str(jax.make_jaxpr(grad)(x, x, x, seg)).count("scan[")
-        return [len(re.findall(r"collective-permute(-start)?\\(", h))
-                for h in hlo] + [scans]
-
-    # The forward sends before hop 0 and once in the body of its scan over hops
-    # 1 and 2. The backward reuses the forward's first message (the block of
-    # its hop 1; XLA sends it once for both) and sends hop 2's block, hop 3's
-    # block with hop 2's dK/dV (its middle hop, unrolled), hop 3's dK/dV, and
-    # dK/dV going home: 6 in all.
-    unrolled = counts(16)
-    assert unrolled[:2] == [2, 6], unrolled
-    saved, ring_lib.UNROLLED_HOPS = ring_lib.UNROLLED_HOPS, 0
-    try:
-        # The backward's middle hops in a scan too (one more in the program):
-        # the same messages.
-        scanned = counts(8)
-        assert scanned == unrolled[:2] + [unrolled[2] + 1], (scanned, unrolled)
-        check("zigzag", causal=True, seg="seg", sinks="sinks", d=8,
-              dtype=jnp.bfloat16)
-    finally:
-        ring_lib.UNROLLED_HOPS = saved
+    fwd = jax.jit(jax.shard_map(
+        lambda q, k, v, s: flashjax.ring_attention(
+            q, k, v, axis_name="seq", causal=True, segment_ids=(s, s)),
+        mesh=mesh, in_specs=(P(None, "seq"),) * 4, out_specs=P(None, "seq")))
+    x = rand(B, S, H, 16)
+    permutes = lambda f: len(re.findall(r"collective-permute(-start)?\\(",
+                                        f.lower(x, x, x, seg).compile().as_text()))
+    assert permutes(fwd) == 2
+    # The backward: the block of its first hop (the forward's first message,
+    # sent once for both), hop 1's block, one in the scan (block and dK/dV),
+    # hop 3's dK/dV, and dK/dV going home: 6 with the forward's 2.
+    assert permutes(jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a)), (0, 1, 2)))) == 6
     check("zigzag", sliding_window=(20, 3), logits_soft_cap=5.0, dropout_rate=0.2,
           dropout_seed=3, row_bias="row_bias", seg="seg")
     # bf16: one call per causal hop (results stay bf16 out of each hop); with a
