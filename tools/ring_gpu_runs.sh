@@ -43,18 +43,19 @@ if [[ "$parts" == *" tests "* ]]; then
   run ring-tests.log env WORKERS="${WORKERS:-3}" bash tools/offline_gpu.sh test \
     tests/ring_test.py tests/sharding_test.py -k gpus -rA
 fi
-for n in $counts; do
-  [[ "$parts" == *" scaling "* ]] || break
-  [ "$n" -le "$gpus" ] || continue
-  devices=$(seq -s, 0 $((n - 1)))
-  for per in 8192 32768; do
-    extra=()
-    [ "$per" = 32768 ] && extra=(--iters 3 --repeats 3)
-    run "ring-$n-gpus-$per.log" env CUDA_VISIBLE_DEVICES="$devices" \
-      bash tools/offline_gpu.sh py flashjax.benchmarks --ring $((per * n)) \
-      --ring-shape 1,16,128 --ring-masks causal "${extra[@]}"
+if [[ "$parts" == *" scaling "* ]]; then
+  for n in $counts; do
+    [ "$n" -le "$gpus" ] || continue
+    devices=$(seq -s, 0 $((n - 1)))
+    for per in 8192 32768; do
+      extra=()
+      [ "$per" = 32768 ] && extra=(--iters 3 --repeats 3)
+      run "ring-$n-gpus-$per.log" env CUDA_VISIBLE_DEVICES="$devices" \
+        bash tools/offline_gpu.sh py flashjax.benchmarks --ring $((per * n)) \
+        --ring-shape 1,16,128 --ring-masks causal "${extra[@]}"
+    done
   done
-done
+fi
 if [[ "$parts" == *" profile "* ]]; then
   run ring-profile.log bash tools/offline_gpu.sh py tools.ring_profile $((8192 * gpus))
 fi
