@@ -649,7 +649,10 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
                   dq, dbias), None
         (msg, dq, dbias), _ = jax.lax.scan(body, (both.pack(kv + acc), dq, dbias),
                                            jnp.arange(len(mid)))
-        kv, acc = both.unpack(msg, rows=True)[:m], both.unpack(msg)[m:]
+        # Windows only where K/V share the accumulators' dtype (fp32 inputs);
+        # else the message's unit is an unsigned int and K/V are sliced out.
+        leaves = both.unpack(msg, rows=True)
+        kv, acc = leaves[:m], leaves[m:]
       sent = ring.rotate(acc_packet.pack(acc))
       g, dq, dbias = step([n - 1], 0, ring.kv_triple(kv), dq, dbias)
       acc = [x + y for x, y in zip(acc_packet.unpack(sent), g)]

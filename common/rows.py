@@ -36,7 +36,9 @@ class Rows:
   length: int = dataclasses.field(metadata=dict(static=True))
 
   def __post_init__(self):
-    if not hasattr(self.base, "shape"):  # a pytree placeholder, not an array
+    # Pytree maps rebuild windows around other leaves (placeholders, dtypes);
+    # only a base with batch and row axes is checked.
+    if len(getattr(self.base, "shape", ())) < 2:
       return
     b, s = self.base.shape[:2]
     if not (0 <= self.batch and self.batch + self.count <= b and 0 <= self.start
@@ -89,8 +91,8 @@ def materialize(tree):
 
 
 def takes_rows(fn):
-  """Marks a platform's forward or backward as reading :class:`Rows` operands
-  (q, k, v and dO; the forward's out and lse are its own) in place."""
+  """Marks a platform's forward or backward as taking :class:`Rows` operands:
+  q, k and v, and the backward's out and dO (its lse and dlse stay arrays)."""
   fn.takes_rows = True
   return fn
 

@@ -206,6 +206,9 @@ def test_packet_rows_are_windows_of_the_buffer():
       np.testing.assert_array_equal(bits(g), bits(x))
   with pytest.raises(ValueError, match="outside"):
     Rows(kv[0], 1, 2, 0, 6)
+  # Tree maps may rebuild a window around leaves that are no arrays.
+  assert jax.tree.map(lambda a: a.dtype, narrow).base == jnp.bfloat16
+  assert jax.tree.map(lambda a: a.astype(jnp.float32), narrow).shape == narrow.shape
   with pytest.raises(ValueError, match="outside"):
     Rows.of(kv[0]).rows(4, 3)
 

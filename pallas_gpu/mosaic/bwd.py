@@ -323,7 +323,8 @@ def _seed(seed):
 
 
 def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
-  """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype),
+  """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype; or
+  larger arrays holding them at ``g.q_at`` (q and dO), ``g.k_at``, ``g.v_at``),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
   rows) and delta; ``segments``: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and the
   visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
@@ -506,6 +507,9 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   The two grids' tails become one, filled by the shorter dQ CTAs. Returns ``(dq,
   dk, dv)``."""
   assert (g_dq.batch, g_dq.heads_q) == (g_dkv.batch, g_dkv.heads_q)
+  # Both kernels read their operands through g_dq's windows (_inputs).
+  same = lambda g: (g.q_at, g.k_at, g.v_at, g.seq_q_padded, g.seq_k_padded)
+  assert same(g_dq) == same(g_dkv), (same(g_dq), same(g_dkv))
   dkv_scoped, dkv_kernel = _dkv_program(g_dkv, q.dtype)
   dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
   n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q

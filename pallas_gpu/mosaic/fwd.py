@@ -80,7 +80,8 @@ def separate_out_smem(g: Geometry) -> bool:
 
 
 def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
-  """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded) ->
+  """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded; or larger arrays
+  holding them at ``g.q_at``, ``g.k_at``, ``g.v_at``) ->
   ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
   ``segments`` (with ``g.segments``): q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` (int32)
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows

@@ -663,6 +663,7 @@ def test_windows_are_read_in_place():
   """Rows windows that need no padding reach the kernels as their base arrays
   (offsets in the Geometry), with no slice before the custom calls; a window
   of 200 rows (padded to a tile) is sliced and padded."""
+  from flashjax.common import rows
   assert mosaic.forward.takes_rows and mosaic.backward.takes_rows
   for seq_q, in_place in ((256, True), (200, False)):
     ops, spec, static, do, dlse = _windows(seq_q, causal=True)
@@ -678,9 +679,11 @@ def test_windows_are_read_in_place():
   g = mosaic.kernel_operands(mosaic.geometry(spec, static.config), ops.q, ops.k,
                              ops.v)[1]
   assert (g.q_at, g.k_at, g.v_at) == ((0, 128), (0, 256), (2, 256))
-  # q and dO at different rows: both sliced.
-  g = mosaic.kernel_operands(g, ops.q, ops.k, ops.v, do.rows(8, 248))[1]
+  # q and dO windows of the same length at different rows: both sliced.
+  other = rows.Rows(do.base, 0, 2, 0, 256)
+  (q, _, _, d), g = mosaic.kernel_operands(g, ops.q, ops.k, ops.v, other)
   assert g.q_at == (0, 0) and g.k_at == (0, 256)
+  assert q.shape == d.shape == (2, 256, 4, 128), (q.shape, d.shape)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
