@@ -59,10 +59,6 @@ class Rows:
     return self.base.dtype
 
   @property
-  def ndim(self) -> int:
-    return self.base.ndim
-
-  @property
   def at(self) -> tuple[int, int]:
     """``(batch, start)``: the window's offsets in ``base``."""
     return self.batch, self.start

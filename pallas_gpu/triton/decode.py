@@ -219,12 +219,11 @@ def run_split(q, j0, j1, tile, plain, *, spec, rows, precision):
       nonempty, m_safe * scale2 * LN2 + jnp.log(safe_l), -jnp.inf)
 
 
-def store(o_ref, lse_ref, out, lse, spec, in_layout: bool):
+def store(o_ref, lse_ref, out, lse, spec):
   """A program's ``out [rows, Dv]`` and ``lse [rows]`` into its blocks of
-  :func:`launch`'s outputs: as they are (packed rows), or (``in_layout``:
-  :func:`direct`) as the ``[Sq, G, Dv]`` and ``[G, Sq]`` blocks of the call's
-  own layout."""
-  if in_layout:
+  :func:`launch`'s outputs: as they are (packed rows), or (:func:`direct`) as
+  the ``[Sq, G, Dv]`` and ``[G, Sq]`` blocks of the call's own layout."""
+  if direct(spec):
     sq, g = spec.seq_q, spec.group_size
     o_ref[...] = out.reshape(sq, g, out.shape[-1]).astype(o_ref.dtype)
     lse_ref[...] = lse.reshape(sq, g).T
@@ -234,7 +233,7 @@ def store(o_ref, lse_ref, out, lse, spec, in_layout: bool):
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
-            precision, in_layout):
+            precision):
   split = pl.program_id(0)
   band = spec.band
 
@@ -243,7 +242,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
       return k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :], None
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-    diag = kv.query_of_row(row, spec, in_layout) + band.offset
+    diag = kv.query_of_row(row, spec, direct(spec)) + band.offset
     start = jnp.minimum(j * bk, spec.seq_k - bk)
     pos = start + col
     ok = (row < spec.seq_q * spec.group_size) & (pos >= j * bk)
@@ -256,10 +255,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk, tiles, per, rows,
   first, last = int(tiles.first), int(tiles.last_end)
   plain = (int(tiles.first_full), int(tiles.last_full_end))
   j0 = first + split * per
-  out, lse = run_split(load_q(q_ref, spec, in_layout), j0, jnp.minimum(j0 + per, last),
+  out, lse = run_split(load_q(q_ref, spec), j0, jnp.minimum(j0 + per, last),
                        tile, None if plain == (first, last) else plain, spec=spec,
                        rows=rows, precision=precision)
-  store(o_ref, lse_ref, out, lse, spec, in_layout)
+  store(o_ref, lse_ref, out, lse, spec)
 
 
 def q_operand(q, spec, rows: int):
@@ -275,10 +274,10 @@ def q_operand(q, spec, rows: int):
   return packed, pl.BlockSpec((None, None, rows, d), lambda s, i, h: (i, h, 0, 0))
 
 
-def load_q(q_ref, spec, in_layout: bool):
+def load_q(q_ref, spec):
   """The program's ``[rows, D]`` q tile from its :func:`q_operand` block."""
   q = q_ref[...]
-  return q.reshape(spec.seq_q * spec.group_size, q.shape[-1]) if in_layout else q
+  return q.reshape(spec.seq_q * spec.group_size, q.shape[-1]) if direct(spec) else q
 
 
 def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
@@ -294,7 +293,7 @@ def partials(q, k, v, spec, cfg: DecodeConfig, splits: int, interpret: bool):
   q, q_spec = q_operand(q, spec, rows)
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, tiles=tiles, per=per,
-                             rows=rows, precision=precision, in_layout=direct(spec))
+                             rows=rows, precision=precision)
   in_specs = [q_spec,
               pl.BlockSpec((None, spec.seq_k, None, d), lambda s, i, h: (i, 0, h, 0)),
               pl.BlockSpec((None, spec.seq_k, None, dv), lambda s, i, h: (i, 0, h, 0))]

@@ -109,7 +109,7 @@ def num_splits(spec: kv.KvCacheSpec, cfg: td.DecodeConfig, sms: int) -> int:
 
 
 def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, bk,
-            rows, splits, precision, in_layout):
+            rows, splits, precision):
   split = pl.program_id(0)
   lo, hi = bounds_ref[0], bounds_ref[1]
   total, leftpad = bounds_ref[2], bounds_ref[3]
@@ -139,7 +139,7 @@ def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, 
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
     kcol = jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-    diag = kv.query_of_row(row, spec, in_layout) + total - spec.seq_q
+    diag = kv.query_of_row(row, spec, td.direct(spec)) + total - spec.seq_q
     first_new = jnp.maximum(leftpad, j * bk)
     pos = start + col
     ok = (row < spec.seq_q * spec.group_size) & (pos >= first_new) & (pos < total)
@@ -158,10 +158,10 @@ def _kernel(bounds_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec, 
   j0 = first + split * per
   # Tiles whose keys every query sees: no mask, and no free slot to zero.
   plain = ((full_lo + bk - 1) // bk, full_hi // bk)
-  out, lse = td.run_split(td.load_q(q_ref, spec, in_layout), j0,
+  out, lse = td.run_split(td.load_q(q_ref, spec), j0,
                           jnp.minimum(j0 + per, last), tile, plain, spec=spec,
                           rows=rows, precision=precision)
-  td.store(o_ref, lse_ref, out, lse, spec, in_layout)
+  td.store(o_ref, lse_ref, out, lse, spec)
 
 
 def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
@@ -190,7 +190,7 @@ def attention(prep: kv.Prepared, sinks, spec: kv.KvCacheSpec,
   q, q_spec = td.q_operand(prep.q, spec, rows)
   precision = jax.lax.Precision.HIGHEST if spec.dtype == "float32" else None
   kernel = functools.partial(_kernel, spec=spec, bk=bk, rows=rows, splits=splits,
-                             precision=precision, in_layout=td.direct(spec))
+                             precision=precision)
   in_specs = [pl.BlockSpec((None, 6), lambda s, i, h: (i, 0)), rows_spec, q_spec,
               pl.BlockSpec(cache_block + (None, d), lambda s, i, h: (0, 0, h, 0)),
               pl.BlockSpec(cache_block + (None, dv), lambda s, i, h: (0, 0, h, 0))]
