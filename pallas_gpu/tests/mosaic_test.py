@@ -686,6 +686,72 @@ def test_windows_are_read_in_place():
   assert q.shape == d.shape == (2, 256, 4, 128), (q.shape, d.shape)
 
 
+def _chunks(causal=False):
+  """Operands as rows.Chunks, as a zigzag ring's middle hop passes them: q
+  chunks 2 and 0 (256 rows each) of the window of rows ``[256, 768)`` of
+  1024-row arrays, K and V chunks 0 and 1 of batch entries ``[0, 2)`` and
+  ``[2, 4)`` of one buffer; the call has batch 2 x 2."""
+  from flashjax.common import rows
+  ks = jax.random.split(jax.random.key(6), 3)
+  q_base = jax.random.normal(ks[0], (2, 1024, 4, 128), jnp.bfloat16)
+  kv_base = jax.random.normal(ks[1], (4, 512, 2, 128), jnp.bfloat16)
+  chunks = lambda w, index: rows.Chunks(w, jnp.asarray(index, jnp.int32), 256)
+  q = chunks(rows.Rows(q_base, 0, 2, 256, 768), [2, 0])
+  k = chunks(rows.Rows(kv_base, 0, 2, 0, 512), [0, 1])
+  v = chunks(rows.Rows(kv_base, 2, 2, 0, 512), [0, 1])
+  ops, spec = spec_lib.canonicalize(*rows.materialize((q, k, v)), causal=causal)
+  static = platform.Static(dataclasses.replace(
+      mosaic.default_config(spec), backward=pallas_triton.default_config(spec)))
+  return ops._replace(q=q, k=k, v=v), spec, static
+
+
+def test_chunks_are_read_in_place():
+  """Chunks reach the forward kernel as their base arrays cut into chunks, with
+  a table of the chunk each batch entry reads: the table picks exactly the
+  gathered chunks, and nothing is gathered before the custom call. Chunks that
+  need padding are gathered and padded."""
+  from flashjax.common import rows
+  assert mosaic.forward.takes_chunks
+  ops, spec, static = _chunks()
+  g = mosaic.geometry(spec, static.config)
+  (q, k, v), g_map, maps = mosaic.chunk_operands(g, ops.q, ops.k, ops.v)
+  assert g_map.chunk_map and (q.shape, k.shape) == ((8, 256, 4, 128), (8, 256, 2, 128))
+  np.testing.assert_array_equal(maps, [[3, 1, 7, 5], [0, 1, 2, 3], [4, 5, 6, 7]])
+  for array, index, x in zip((q, k, v), np.asarray(maps), (ops.q, ops.k, ops.v)):
+    np.testing.assert_array_equal(np.asarray(array[index], np.float32),
+                                  np.asarray(x.array(), np.float32))
+  text = jax.jit(lambda o: mosaic.forward(o, spec, static)).trace(ops).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(calls) == 1 and "tensor<8x256x4x128xbf16>" in calls[0], calls
+  assert calls[0].count("tensor<8x256x2x128xbf16>") == 2, calls
+  assert "gather" not in text and "dynamic_slice" not in text
+  # 200-row chunks pad to a tile: gathered, no table.
+  short = rows.Chunks(rows.Rows(ops.q.window.base, 0, 2, 0, 800), ops.q.index, 200)
+  assert mosaic.chunk_operands(g, short, ops.k, ops.v) is None
+  # Dropout hashes the call's own batch entries: no table.
+  assert mosaic.chunk_operands(dataclasses.replace(g, dropout_rate=0.1), *ops[:3]) is None
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("causal", (False, True))
+def test_chunks_equal_their_gather(causal):
+  """The forward over chunks read through the table equals the forward over
+  the gathered chunks bit for bit, and the reference."""
+  from flashjax.common import reference, rows
+  ops, spec, static = _chunks(causal)
+  run = jax.jit(lambda o: mosaic.forward(o, spec, static))
+  got, want = run(ops), run(rows.materialize(ops))
+  for a, b in zip(got, want):
+    assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  q, k, v = (x.array().astype(jnp.float32) for x in ops[:3])
+  ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+  tol = tolerances.forward("bfloat16")
+  tolerances.assert_close(got[0], ref_out, tol, name="out")
+  tolerances.assert_close(got[1], ref_lse, tol, name="lse")
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("seq_q,causal", [(256, True), (256, False), (200, True)])
 def test_windows_equal_their_slices(seq_q, causal):
