@@ -210,36 +210,6 @@ class RingPlan:
         best = calls
     return best or None
 
-  def gathered_pairs(self, hops, len_q: int, len_k: int):
-    """``(band, table)`` where, at every hop of ``hops``, every device meets the
-    same number ``E`` of (q chunk, kv chunk) pairs, all of one band ``band``
-    (in a pair's own coordinates) and the devices' calls differ:
-    ``table[t][device]`` lists the pairs ``(a, b)`` of hop ``hops[t]``. One call
-    over the pairs gathered along the batch (``rows.Chunks``) then serves every
-    device without a ``lax.switch``: the middle hops of a causal zigzag ring,
-    where each device meets its last rows against the held block's first chunk
-    and, depending on the device, its first rows against that chunk or its last
-    rows against the block's last chunk. None otherwise."""
-    nc = self.num_chunks
-    table, bands, calls = [], set(), set()
-    for hop in hops:
-      per_device = []
-      for r in range(self.num_shards):
-        pairs = []
-        for a in range(nc):
-          for b in range(nc):
-            band = self.pair_band(r, hop, a, b, len_q, len_k)
-            if band is not None:
-              bands.add(band)
-              pairs.append((a, b))
-        per_device.append(pairs)
-        calls.add(self.hop_calls(r, hop, len_q, len_k))
-      table.append(per_device)
-    counts = {len(pairs) for per_device in table for pairs in per_device}
-    if len(bands) != 1 or len(calls) == 1 or len(counts) != 1 or counts == {0}:
-      return None
-    return bands.pop(), table
-
 
 @dataclasses.dataclass(frozen=True)
 class FixedKernel:
@@ -573,56 +543,11 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
         (1, 2), ring.cq)
     return out.astype(dtype), lse
 
-  def gathered(hops, t, kv):
-    """This device's (out, lse) over all its rows against the block ``kv`` from
-    one call over its chunk pairs gathered along the batch
-    (``RingPlan.gathered_pairs``), or None where the plan has no such form or
-    the platform reads no ``rows.Chunks``. Without it every device runs the
-    calls of a ``lax.switch`` branch, whose index the GPU hands to the host
-    first: removing the switches took a causal zigzag forward from 2.45 to 2.23
-    ms (four H200s, 8k rows per GPU, 2026-11-26)."""
-    if (ring.positions or ops.bias is not None or ops.mask is not None or
-        ops.q_segment_ids is not None):
-      return None
-    found = plan.gathered_pairs(hops, ring.cq, ring.ck)
-    if found is None:
-      return None
-    band, table = found
-    pairs = jnp.asarray(np.asarray(table, np.int32))[t, ring.r]
-    n_pairs = pairs.shape[0]
-    k, v, _ = kv
-    chunks = lambda x, side, size: rows_lib.Chunks(rows_lib.Rows.of(x),
-                                                   pairs[:, side], size)
-    sub = Operands(q=chunks(ops.q, 0, ring.cq), k=chunks(k, 1, ring.ck),
-                   v=chunks(v, 1, ring.ck))
-    hs = dataclasses.replace(hop_spec(spec, band), batch=spec.batch * n_pairs)
-    fwd, _, config = kernel(rows_lib.materialize(sub), hs)
-    if not rows_lib.accepts_chunks(fwd):
-      return None
-    out, lse = fwd(sub, hs, config)
-    out = out.reshape((spec.batch, n_pairs) + out.shape[1:]).astype(f32)
-    lse = lse.reshape((spec.batch, n_pairs) + lse.shape[1:]).astype(f32)
-    # Pair e's rows join the chunk pairs[e, 0]; elsewhere it is an empty part
-    # (lse -inf), which a merge leaves exact.
-    chunk_parts = []
-    for a in range(plan.num_chunks):
-      acc = None
-      for e in range(n_pairs):
-        mine = pairs[e, 0] == a
-        part = (jnp.where(mine, out[:, e], 0.0), jnp.where(mine, lse[:, e], -jnp.inf))
-        acc = part if acc is None else _merge(acc, part)
-      chunk_parts.append(acc)
-    return (jnp.concatenate([o for o, _ in chunk_parts], axis=1),
-            jnp.concatenate([l for _, l in chunk_parts], axis=2))
-
   def step(hops, t, kv, acc):
-    part = gathered(hops, t, kv)
-    if part is None:
-      dtype = ring.result_dtype(hops, 0, ops.q.dtype)
-      part = ring.switch(
-          hops, t, functools.partial(run, dtype),
-          lambda kv, at: empty(dtype, spec.seq_q, *jax.tree.leaves(kv)), kv,
-          hops[0] + t)
+    dtype = ring.result_dtype(hops, 0, ops.q.dtype)
+    part = ring.switch(
+        hops, t, functools.partial(run, dtype),
+        lambda kv, at: empty(dtype, spec.seq_q, *jax.tree.leaves(kv)), kv, hops[0] + t)
     # The accumulator is fp32 from the first hop on (a scan carries it).
     return (part[0].astype(f32), part[1]) if acc is None else _merge(acc, part)
 

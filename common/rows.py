@@ -8,13 +8,6 @@ operands: two of 33-35 us per forward hop at 8k rows per GPU on four H200s
 names the window instead; a platform function marked with :func:`takes_rows`
 gets it as it is and reads the window through its kernel's offsets, any other
 gets the slice (:func:`materialize`).
-
-A :class:`Chunks` gathers chunks of a window along the batch, with chunk indices
-that are traced: a zigzag ring's middle hop gives every device the same kernel
-call on chunk pairs that depend on the device (common/ring.py), where a
-``lax.switch`` over the devices' calls made the GPU wait for the host at every
-hop. A platform function marked with :func:`takes_chunks` reads the chunks
-through an index table; to any other the gather is a copy.
 """
 
 from __future__ import annotations
@@ -87,58 +80,10 @@ class Rows:
     return jax.lax.slice(self.base, starts, limits)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Chunks:
-  """Chunks of ``window`` gathered along the batch: entry ``b * E + e`` is
-  rows ``[index[e] * size, (index[e] + 1) * size)`` of the window's batch entry
-  ``b``, for ``E = len(index)``.
-
-  Attributes:
-    window: a :class:`Rows` (or an array, seen as its own window).
-    index: int32 ``[E]``, traced: each gathered chunk's position in the window.
-    size: rows per chunk; it divides the window's length.
-  """
-
-  window: Any
-  index: Any
-  size: int = dataclasses.field(metadata=dict(static=True))
-
-  def __post_init__(self):
-    length = getattr(self.window, "shape", (0, 0))
-    if len(length) >= 2 and (self.size < 1 or length[1] % self.size):
-      raise ValueError(f"chunks of {self.size} rows do not divide a window of "
-                       f"{length[1]} rows")
-
-  @property
-  def count(self) -> int:
-    """Gathered chunks per batch entry of the window (``E``)."""
-    return self.index.shape[0]
-
-  @property
-  def shape(self) -> tuple:
-    w = self.window.shape
-    return (w[0] * self.count, self.size) + tuple(w[2:])
-
-  @property
-  def dtype(self):
-    return self.window.dtype
-
-  def array(self) -> jax.Array:
-    w = materialize(self.window)
-    b, s = w.shape[:2]
-    chunks = w.reshape((b, s // self.size, self.size) + w.shape[2:])
-    return jax.numpy.take(chunks, self.index, axis=1).reshape(self.shape)
-
-
-def _is_view(x) -> bool:
-  return isinstance(x, (Rows, Chunks))
-
-
 def materialize(tree):
-  """``tree`` with every :class:`Rows` and :class:`Chunks` replaced by its array."""
-  return jax.tree.map(lambda x: x.array() if _is_view(x) else x, tree,
-                      is_leaf=_is_view)
+  """``tree`` with every :class:`Rows` replaced by its array."""
+  return jax.tree.map(lambda x: x.array() if isinstance(x, Rows) else x, tree,
+                      is_leaf=lambda x: isinstance(x, Rows))
 
 
 def takes_rows(fn):
@@ -150,14 +95,3 @@ def takes_rows(fn):
 
 def accepts(fn) -> bool:
   return getattr(fn, "takes_rows", False)
-
-
-def takes_chunks(fn):
-  """Marks a platform's forward as also taking :class:`Chunks` q, k and v (all
-  three or none)."""
-  fn.takes_chunks = True
-  return fn
-
-
-def accepts_chunks(fn) -> bool:
-  return getattr(fn, "takes_chunks", False)

@@ -154,61 +154,6 @@ def test_hop_calls_of_a_causal_zigzag_ring_are_one_call_per_hop():
       3, 3, 3, 1]
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("band", [dict(right=0), {}, dict(left=20, right=3)])
-def test_gathered_pairs_are_each_devices_visible_pairs(layout, band):
-  # Where a plan exists, device r's pairs at a hop are exactly the chunk pairs
-  # its band reaches, each covered whole by the one band; it exists only where
-  # devices' calls differ (else nothing needs a switch).
-  plan = _plan(layout, Band(seq_q=64, seq_k=64, **band))
-  for hops in ([0], [1, 2], [3]):
-    found = plan.gathered_pairs(hops, 8, 8)
-    if found is None:
-      continue
-    gathered, table = found
-    assert len({plan.hop_calls(r, h, 8, 8) for h in hops for r in range(4)}) > 1
-    for t, hop in enumerate(hops):
-      for r in range(4):
-        visible = {(a, b) for a in range(plan.num_chunks)
-                   for b in range(plan.num_chunks)
-                   if _pair_mask(plan, r, hop, a, b, 8, 8).any()}
-        assert set(table[t][r]) == visible, (hop, r)
-        for a, b in table[t][r]:
-          np.testing.assert_array_equal(np.asarray(gathered.as_array()),
-                                        _pair_mask(plan, r, hop, a, b, 8, 8))
-
-
-def test_gathered_pairs_of_a_causal_zigzag_ring():
-  # Every middle hop: the last rows against the block's first chunk, and the
-  # first rows against that chunk (an earlier block) or the last rows against
-  # the last chunk (a later block); the own block and contiguous rings have none.
-  plan = _plan("zigzag", Band(seq_q=64, seq_k=64, right=0))
-  gathered, table = plan.gathered_pairs([1, 2, 3], 8, 8)
-  assert gathered == Band(seq_q=8, seq_k=8)
-  for t, hop in enumerate([1, 2, 3]):
-    for r in range(4):
-      earlier = (r - hop) % 4 < r
-      assert table[t][r] == ([(0, 0), (1, 0)] if earlier else [(1, 0), (1, 1)])
-  assert plan.gathered_pairs([0], 8, 8) is None
-  assert _plan("contiguous", plan.band).gathered_pairs([1], 8, 8) is None
-
-
-def test_chunks_gather_along_the_batch():
-  from flashjax.common.rows import Chunks, Rows, materialize
-  x = jnp.arange(2 * 12 * 3, dtype=jnp.float32).reshape(2, 12, 3)
-  window = Rows(x, 0, 2, 4, 8)
-  c = Chunks(window, jnp.asarray([1, 0, 1], jnp.int32), 4)
-  assert c.shape == (6, 4, 3) and c.count == 3 and c.dtype == x.dtype
-  want = np.stack([np.asarray(x)[b, 4 + 4 * i:8 + 4 * i] for b in range(2)
-                   for i in (1, 0, 1)])
-  np.testing.assert_array_equal(np.asarray(jax.jit(materialize)(c)), want)
-  np.testing.assert_array_equal(
-      np.asarray(Chunks(x, jnp.asarray([2], jnp.int32), 4).array()),
-      np.asarray(x)[:, 8:12])
-  with pytest.raises(ValueError, match="do not divide"):
-    Chunks(window, jnp.asarray([0], jnp.int32), 3)
-
-
 def test_packet_round_trip():
   # Mixed dtypes and odd sizes through one flat buffer of the smallest unit.
   xs = [jnp.arange(15, dtype=jnp.bfloat16).reshape(3, 5) / 7,

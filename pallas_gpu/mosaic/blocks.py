@@ -69,10 +69,6 @@ class Geometry:
   q_at: tuple = (0, 0)
   k_at: tuple = (0, 0)
   v_at: tuple = (0, 0)
-  # Forward on chunks gathered along the batch (rows.Chunks): q, K and V come
-  # as ``[chunks, rows, H, D]`` arrays and an int32 ``[3, batch]`` table names
-  # the chunk each batch entry reads of each (batch_entry).
-  chunk_map: bool = False
 
   @property
   def group(self) -> int:
@@ -107,17 +103,9 @@ def _window(ref, at, batch: int, rows: int):
 def windows(g: Geometry, q, k, v, do=None):
   """The kernel's ``q, k, v, do`` refs as the windows at ``g``'s offsets (a
   ref view: the TMA copies add the offsets, nothing is copied)."""
-  if g.chunk_map:  # whole chunk arrays: batch_entry picks the chunks
-    return q, k, v, do
   qs, ks = g.seq_q_padded, g.seq_k_padded
   return (_window(q, g.q_at, g.batch, qs), _window(k, g.k_at, g.batch, ks),
           _window(v, g.v_at, g.batch, ks), _window(do, g.q_at, g.batch, qs))
-
-
-def batch_entry(g: Geometry, maps_ref, operand: int, b_idx):
-  """The batch entry of operand ``operand`` (0 q, 1 K, 2 V) that the kernel's
-  batch entry ``b_idx`` reads: its chunk in the map with ``g.chunk_map``."""
-  return maps_ref[operand, b_idx] if g.chunk_map else b_idx
 
 
 def _i32(x):

@@ -453,7 +453,7 @@ def _dq_program(g: Geometry, dtype):
       plgpu.wait_smem_to_gmem(0)
 
     load_k, load_v = pipeline.kv_loader(
-        g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (b_idx, b_idx),
+        g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
         lax.div(h, jnp.int32(g.group)))
     if g.segments:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids

@@ -58,9 +58,9 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, batch_entry, dropout_col_keys, dropout_keep,
-                     dropout_row_keys, positions, tail_plan, tile_coords, tiles_of_cta,
-                     unit_tile, unit_walk, windows)
+from .blocks import (Geometry, dropout_col_keys, dropout_keep, dropout_row_keys,
+                     positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
+                     unit_walk, windows)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -79,7 +79,7 @@ def separate_out_smem(g: Geometry) -> bool:
   return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
 
 
-def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
+def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded; or larger arrays
   holding them at ``g.q_at``, ``g.k_at``, ``g.v_at``) ->
   ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
@@ -87,9 +87,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
   and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
   (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
   operand ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
-  int32 words of ``dropout.kernel_seed(..., positions=True)``. ``maps`` (with
-  ``g.chunk_map``): the int32 ``[3, B]`` chunks of q, K and V (arrays of
-  chunks) that each batch entry reads (mosaic.chunk_operands)."""
+  int32 words of ``dropout.kernel_seed(..., positions=True)``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
   scale2 = g.softmax_scale * LOG2E  # logits in log2 units: exp2 on the SFU
@@ -97,8 +95,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
   separate_o = separate_out_smem(g)
   tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, maps_ref,
-             smem, bars, free, sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
+             bars, free, sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
@@ -129,8 +127,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
 
       def load_q(u):
         b_idx, h, _, r0 = rows_of(unit_tile(g, u))
-        plgpu.copy_gmem_to_smem(q_ref.at[batch_entry(g, maps_ref, 0, b_idx),
-                                         pl.ds(r0, bq), h], my_q, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
         if g.segments:
           plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
                                   qid_bar.at[wg])
@@ -335,8 +332,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
         t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas, visible)
         b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = pipeline.kv_loader(
-            g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar),
-            (batch_entry(g, maps_ref, 1, b_idx), batch_entry(g, maps_ref, 2, b_idx)),
+            g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
             lax.div(h, jnp.int32(g.group)))
         if g.segments:
           load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
@@ -364,10 +360,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  n_in = len(segments) + (bias is not None) + (seed is not None) + (maps is not None)
-  assert (maps is not None) == g.chunk_map
-  # The map gives no global coordinates to the ids, bias or dropout hash.
-  assert not (g.chunk_map and (g.segments or bias is not None or seed is not None))
+  n_in = len(segments) + (bias is not None) + (seed is not None)
 
   if g.bias_dtype is not None:
     # 128-byte swizzled rows: 64 two-byte or 32 four-byte elements per tile row.
@@ -378,8 +371,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
     q_ref, k_ref, v_ref, _ = windows(g, q_ref, k_ref, v_ref)
     seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[n_in:]
     bias_ref = refs[len(segments)] if bias is not None else None
-    maps_ref = refs[n_in - 1] if maps is not None else None
-    seed_ref = refs[n_in - 1 - (maps is not None)] if seed is not None else None
+    seed_ref = refs[n_in - 1] if seed is not None else None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -405,8 +397,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
         seg, extra = (seg_refs,) + tuple(extra[:2]), extra[2:]
       if g.bias_dtype is not None:
         add = (bias_ref,) + tuple(extra[:2])
-      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref,
-             maps_ref, smem, bars, free, sched)
+      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
+             bars, free, sched)
 
     pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
                   *seg_scoped, *bias_scoped, collective_axes="wg")
@@ -422,7 +414,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None, maps=None):
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, *segments, *(() if bias is None else (bias,)),
-    *(() if seed is None else (seed,)), *(() if maps is None else (maps,)))
+    *(() if seed is None else (seed,)))
   if tail is None:
     return outs
   out, lse, o_hi, o_lo, lse_part = outs

@@ -147,32 +147,6 @@ def kernel_operands(g: Geometry, q, k, v, do=None):
   return [q, k, v, *do], dataclasses.replace(g, q_at=q_at, k_at=k_at, v_at=v_at)
 
 
-def chunk_operands(g: Geometry, q, k, v):
-  """``([q, k, v], g, maps)`` where q, K and V are ``rows.Chunks`` the forward
-  reads in place: each as its base array cut into chunks ``[n, rows, H, D]``
-  (a reshape), and ``maps`` the int32 ``[3, batch]`` chunk of each that every
-  batch entry of the call reads (``g.chunk_map``). None where one needs
-  padding, or the call has segment ids, an additive tile or dropout (their
-  kernels index by the call's own batch entries)."""
-  ops = (q, k, v)
-  if (not all(isinstance(x, rows.Chunks) for x in ops) or g.segments or
-      g.bias_dtype is not None or g.dropout_rate):
-    return None
-  lengths = (g.seq_q_padded, g.seq_k_padded, g.seq_k_padded)
-  arrays, maps = [], []
-  for x, length in zip(ops, lengths):
-    w = rows.Rows.of(x.window)
-    per = w.base.shape[1] // x.size
-    if (x.size != length or x.shape[3] != g.head_dim or
-        w.base.shape[1] % x.size or w.start % x.size):
-      return None
-    arrays.append(w.base.reshape((w.base.shape[0] * per, x.size) + w.base.shape[2:]))
-    batch = (w.batch + jnp.arange(w.count, dtype=jnp.int32))[:, None]
-    maps.append((batch * per + w.start // x.size + x.index[None, :]).reshape(-1))
-  return arrays, dataclasses.replace(g, chunk_map=True), jnp.stack(maps).astype(
-      jnp.int32)
-
-
 def _pad_ids(ids, seq):
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, seq - ids.shape[1])), mode="edge")
 
@@ -203,7 +177,6 @@ def dropout_words(ops, spec):
   return dropout.kernel_seed(ops.dropout_seed, positions=True)
 
 
-@rows.takes_chunks
 @rows.takes_rows
 def forward(ops, spec, static: platform.Static):
   # Decode shapes have one q tile per head: the split-KV kernel spreads the keys
@@ -213,14 +186,9 @@ def forward(ops, spec, static: platform.Static):
                           hardware.num_sms(), False)
   from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
-  gathered = chunk_operands(g, ops.q, ops.k, ops.v)
-  if gathered is not None:
-    (q, k, v), g, maps = gathered
-  else:
-    (q, k, v), g = kernel_operands(g, ops.q, ops.k, ops.v)
-    maps = None
+  (q, k, v), g = kernel_operands(g, ops.q, ops.k, ops.v)
   out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile,
-                         dropout_words(ops, spec), maps)
+                         dropout_words(ops, spec))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 

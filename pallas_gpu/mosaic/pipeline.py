@@ -49,16 +49,15 @@ def ring_fill(step, num_stages: int, loads):
     load(slot)
 
 
-def kv_loader(g, refs, smems, bars, batches, kv_head):
+def kv_loader(g, refs, smems, bars, b_idx, kv_head):
   """``(load_k, load_v)``: each ``load(s, slot)`` copies block ``s`` (``g.block_kv``
-  keys) of one kv head of K or V, at its entry of ``batches``, into ``slot``,
-  with its own barrier."""
-  def loader(ref, smem, bar, b_idx):
+  keys) of one (batch, kv head) of K or V into ``slot``, with its own barrier."""
+  def loader(ref, smem, bar):
     def load(s, slot):
       rows = (b_idx, pl.ds(s * g.block_kv, g.block_kv), kv_head)
       plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], bar.at[slot])
     return load
-  return tuple(loader(*x) for x in zip(refs, smems, bars, batches))
+  return tuple(loader(*x) for x in zip(refs, smems, bars))
 
 
 def with_ids(load, g, ids_ref, ids_smem, ids_bar, b_idx):
