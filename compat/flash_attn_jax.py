@@ -72,15 +72,20 @@ def _end_aligned_layout(cu_q, cu_k, total_q, total_k, used_k=None):
 
 
 def _q_on_key_rows(cu_q, cu_k, total_q, total_k, used_k=None):
-  """Rows of the packed keys that take the packed q rows when no sequence has
-  more queries than (used) keys: sequence ``s``'s queries take the last
-  ``len_q[s]`` of its key rows, so one band with offset 0 (plus segment ids) is
-  each sequence's own bottom-right band while K and V stay where they are.
-  Padding q rows map to ``total_k`` (out of range: dropped)."""
+  """Rows of the packed keys that take the packed q rows: sequence ``s``'s
+  queries take the last ``len_q[s]`` of its key rows, so one band with offset 0
+  (plus segment ids) is each sequence's own bottom-right band while K and V stay
+  where they are. Padding q rows, and the first ``len_q[s] - len_k[s]`` queries
+  of a sequence with more queries than (used) keys, which would land before its
+  keys, map to ``total_k`` (out of range: dropped, output 0). Those queries see
+  no key under a band that ends on the diagonal (causal), which alone may take
+  this layout when some sequence has more queries than keys."""
   len_q = jnp.diff(cu_q)
   len_k = jnp.diff(cu_k) if used_k is None else used_k
   rows, s, real = _rows(cu_q, total_q)
-  return jnp.where(real, cu_k[s] + len_k[s] - len_q[s] + rows - cu_q[s], total_k)
+  early = len_q[s] - len_k[s] > rows - cu_q[s]
+  return jnp.where(real & ~early, cu_k[s] + len_k[s] - len_q[s] + rows - cu_q[s],
+                   total_k)
 
 
 def _queries_fit_keys(cu_q, cu_k, used_k=None, xp=jnp):
@@ -134,9 +139,12 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   ``lax.cond``) this runs on the packed rows directly. Where offsets differ but no
   sequence has more queries than keys (prefill after a cached prefix, cross
   attention to longer contexts), the q rows move onto the ends of their
-  sequences' key rows and K and V are not copied. Otherwise (some sequence with
-  more queries than keys) q, k and v move to an end-aligned layout of
-  ``total_q + total_k`` rows first (more work, same result).
+  sequences' key rows and K and V are not copied. So do they under a band that
+  ends on the diagonal (causal, or a window ``(left, 0)``) when a sequence has
+  more queries than keys: its first ``len_q - len_k`` queries see no key (output
+  0). Otherwise (a window reaching past the diagonal, ``right > 0`` or -1, and
+  some sequence with more queries than keys) q, k and v move to an end-aligned
+  layout of ``total_q + total_k`` rows first (more work, same result).
 
   ``seqused_k`` (flash-attn3-jax's keyword): int ``[num_sequences]``; sequence
   ``s`` then has keys ``cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]`` only
@@ -173,6 +181,11 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _check_used(seqused_k, cu_seqlens_k)
   window_size = _window_pair(window_size)
   banded = is_causal or tuple(window_size) != (-1, -1)
+  # Under a band that ends on the diagonal the queries that find no key rows of
+  # their sequence (more queries than keys) see no key: every offsets array
+  # fits the key rows, with no layout of total_q + total_k rows and, under jit,
+  # no lax.cond (whose predicate a GPU hands to the host first).
+  on_diagonal = is_causal or window_size[1] == 0
   attend = lambda q, k, v, q_ids, kv_ids: api.flash_attention(
       q[None], k[None], v[None], softmax_scale=softmax_scale, causal=is_causal,
       sliding_window=tuple(window_size), segment_ids=(q_ids[None], kv_ids[None]))[0]
@@ -219,10 +232,11 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))):
       return packed(q, k, v)
     # numpy: under an outer jit jnp would stage even these concrete values.
-    fits = bool(_queries_fit_keys(*(np.asarray(x) for x in offsets), xp=np))
+    fits = on_diagonal or bool(_queries_fit_keys(*(np.asarray(x) for x in offsets),
+                                                 xp=np))
     return on_key_rows(q, k, v) if fits else end_aligned(q, k, v)
   # Offsets known only when the program runs (under jit): chosen then.
-  moved = lambda q, k, v: jax.lax.cond(
+  moved = on_key_rows if on_diagonal else lambda q, k, v: jax.lax.cond(
       _queries_fit_keys(cu_seqlens_q, cu_seqlens_k, seqused_k), on_key_rows,
       end_aligned, q, k, v)
   if q.shape[0] != k.shape[0] or seqused_k is not None:

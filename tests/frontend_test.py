@@ -214,7 +214,7 @@ def _varlen_reference(lens_q, lens_k, total_q, **kw):
 
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (3, 0)),
-                                           (True, (4, -1))])
+                                           (True, (4, -1)), (False, (3, 2))])
 def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
   # Different q and k lengths per sequence (decode-like, prefill-like, q longer
   # than k), padding tails on both: each sequence's band is aligned bottom-right
@@ -238,25 +238,38 @@ def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
     _close(g, r)
 
 
-def test_flash_mha_varlen_queries_on_their_keys_rows():
-  """Different offsets where no sequence has more queries than keys (a prefill
-  after a cached prefix, with padding tails): the q rows move onto their keys'
-  rows and no row layout of total_q + total_k is built, with concrete offsets and
-  under jit (a lax.cond); outputs and gradients against the reference per
-  sequence (bottom-right bands)."""
-  lens_q, lens_k = [3, 17, 4, 1], [11, 17, 9, 6]
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,end_aligned", [
+    # No sequence with more queries than keys (a prefill after a cached
+    # prefix): the key rows, whatever the band; under jit a window past the
+    # diagonal keeps the other layout for offsets that may not fit (a lax.cond).
+    ([3, 17, 4, 1], [11, 17, 9, 6], True, (5, -1), "never"),
+    ([3, 17, 4, 1], [11, 17, 9, 6], False, (5, 2), "jit"),
+    # More queries than keys in the second and third sequence: a band that ends
+    # on the diagonal still takes the key rows (their first queries see no key).
+    ([3, 17, 9, 1], [11, 6, 4, 6], True, (-1, -1), "never"),
+    ([3, 17, 9, 1], [11, 6, 4, 6], False, (4, 0), "never"),
+    ([3, 17, 9, 1], [11, 6, 4, 6], False, (5, 2), "always"),
+])
+def test_flash_mha_varlen_queries_on_their_keys_rows(lens_q, lens_k, causal, window,
+                                                      end_aligned):
+  """Different offsets: the q rows move onto their keys' rows, K and V stay
+  where they are and no layout of total_q + total_k rows is built, where no
+  sequence has more queries than keys or the band ends on the diagonal; with
+  concrete offsets and under jit. Outputs and gradients against the reference
+  per sequence (bottom-right bands; queries that see no key output 0)."""
   q, k, v, do, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 3, 2, 2, 1, seed=23)
   tq, tk = q.shape[0], k.shape[0]
   run = lambda q, k, v, a, b: flashjax.flash_mha_varlen(
-      q, k, v, a, b, max(lens_q), max(lens_k), is_causal=True, window_size=(5, -1))
+      q, k, v, a, b, max(lens_q), max(lens_k), is_causal=causal, window_size=window)
 
-  per_sequence = _varlen_reference(lens_q, lens_k, tq, causal=True,
-                                   sliding_window=(5, -1))
+  per_sequence = _varlen_reference(lens_q, lens_k, tq, causal=causal,
+                                   sliding_window=window)
 
   rows = f"[{tq + tk},"  # the end-aligned layout's row count
-  assert rows not in str(jax.make_jaxpr(lambda q, k, v: run(q, k, v, cu_q, cu_k))(
-      q, k, v))
-  assert rows in str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))  # the other branch
+  concrete = str(jax.make_jaxpr(lambda q, k, v: run(q, k, v, cu_q, cu_k))(q, k, v))
+  traced = str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))
+  assert (rows in concrete) == (end_aligned == "always"), concrete
+  assert (rows in traced) == (end_aligned != "never"), traced
   ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
   out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, cu_q, cu_k), q, k, v)
   for got in (out, jax.jit(run)(q, k, v, cu_q, cu_k)):
@@ -264,6 +277,7 @@ def test_flash_mha_varlen_queries_on_their_keys_rows():
     assert np.all(np.asarray(got[sum(lens_q):]) == 0)
   for g, r in zip(vjp(do), ref_vjp(do)):
     _close(g, r)
+  assert float(jnp.std(ref)) > 0.1, "a case that cannot fail"
 
 
 # -- platform choice ------------------------------------------------------------------
