@@ -13,7 +13,10 @@ compute and communication busy times (unions of intervals: streams overlap),
 the communication that ran while a compute kernel ran, the exposed
 communication (the rest), and the compute split into the attention kernels'
 busy time and the work beside them (all other compute: copies, packing,
-merges). Then the first call's events of device 0 in time
+merges), the span with no compute, and the part of it right after a
+device-to-host copy (a conditional's index read by the host before it launches
+the branch: the ring's ``lax.switch`` over devices costs this). Then the first
+call's events of device 0 in time
 order, to see where each transfer sits. XLA flags (``XLA_FLAGS``) change the
 schedule, so run it under each setting to compare.
 """
@@ -56,11 +59,30 @@ def intersect(a, b):
   return out
 
 
+def is_host_copy(name: str) -> bool:
+  """A device-to-host copy: XLA's GPU runtime reads a conditional's index (a
+  ``lax.switch``/``lax.cond``) this way and launches the branch only after it."""
+  return "d2h" in name.lower()
+
+
+def after_host_copies(events, comp) -> float:
+  """Time with no compute right after a device-to-host copy: the gaps of the
+  compute intervals ``comp`` (sorted, disjoint) whose interval ends with such a
+  copy, up to the next compute event."""
+  ends = [ts + d for name, ts, d in events if is_host_copy(name)]
+  total = 0.0
+  for (_, end), (nxt, _) in zip(comp, comp[1:]):
+    if any(abs(end - e) < 1e-6 for e in ends):
+      total += nxt - end
+  return total
+
+
 def overlap(events, n: int = 1) -> dict:
   """Per-call span, compute and communication busy time, how much of the
-  communication ran beside compute, and how the compute splits into attention
+  communication ran beside compute, how the compute splits into attention
   kernels and the work beside them (copies, packing, merges: busy time outside
-  the kernels), in us, from one device's events."""
+  the kernels), the span with no compute, and the part of it that follows a
+  device-to-host copy (host round trips), in us, from one device's events."""
   comm = union((ts, ts + d) for name, ts, d in events if is_comm(name))
   comp = union((ts, ts + d) for name, ts, d in events if not is_comm(name))
   kernels = union((ts, ts + d) for name, ts, d in events if is_attention(name))
@@ -71,7 +93,9 @@ def overlap(events, n: int = 1) -> dict:
           "comm": length(comm) / n, "hidden": length(both) / n,
           "exposed": (length(comm) - length(both)) / n,
           "kernels": length(kernels) / n,
-          "beside": (length(comp) - length(kernels)) / n}
+          "beside": (length(comp) - length(kernels)) / n,
+          "no_compute": (end - start - length(comp)) / n,
+          "after_d2h": after_host_copies(events, comp) / n}
 
 
 def main(argv):
@@ -120,7 +144,8 @@ def main(argv):
       print(f"{label:8s} {dev[:28]:28s} span {o['span']:9.1f} us  compute "
             f"{o['compute']:9.1f}  comm {o['comm']:8.1f}  hidden {o['hidden']:8.1f}  "
             f"exposed {o['exposed']:8.1f}  kernels {o['kernels']:9.1f}  "
-            f"beside {o['beside']:8.1f}")
+            f"beside {o['beside']:8.1f}  no compute {o['no_compute']:8.1f}  "
+            f"after D2H {o['after_d2h']:7.1f}")
     first = sorted(per_device)[0]
     events = per_device[first]
     # One call's events: the calls ran one after another, so the first 1/n of

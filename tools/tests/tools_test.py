@@ -184,6 +184,27 @@ def test_ring_profile_splits_transfers_into_hidden_and_exposed():
   assert not ring_profile.is_comm("entry_mosaic_gpu_kernel")
   assert not ring_profile.is_comm("memcpy128")  # XLA's copy kernel
   assert ring_profile.is_comm("MemcpyP2P")  # a peer copy (copy engines)
+  # No compute before 60 and after 180 (the transfers run alone): 130 us, per call.
+  assert o["no_compute"] == pytest.approx(65.0)
+  assert o["after_d2h"] == 0.0
+
+
+def test_ring_profile_counts_the_idle_time_after_host_copies():
+  # A conditional's index goes to the host (MemcpyD2H) and the branch's kernel
+  # starts 40 us later: that gap counts; the gap after a kernel does not, nor
+  # a D2H copy that ends inside a compute interval.
+  from tools import ring_profile
+  events = [("entry_mosaic_gpu_kernel", 0.0, 100.0),
+            ("MemcpyD2H", 100.0, 5.0),                 # ends the interval 0-105
+            ("entry_mosaic_gpu_kernel", 145.0, 100.0),  # 40 us after it
+            ("MemcpyD2H", 150.0, 5.0),                 # inside the kernel
+            ("loop_add_fusion", 265.0, 10.0),           # 20 us after a kernel
+            ("MemcpyP2P", 240.0, 80.0)]                 # a transfer, not compute
+  o = ring_profile.overlap(events)
+  assert o["after_d2h"] == pytest.approx(40.0)
+  assert o["no_compute"] == pytest.approx(320.0 - 105.0 - 100.0 - 10.0)
+  assert ring_profile.is_host_copy("MemcpyD2H") and not ring_profile.is_host_copy(
+      "MemcpyD2D")
 
 
 def test_ring_gpu_runs_plans_each_gpu_count(tmp_path):
