@@ -155,8 +155,8 @@ def test_lucidrains_readme_calls():
 def test_flash_mha_varlen_seqused_k():
   """Sequence s attends to its first seqused_k[s] keys only, its band aligned to
   that length (causal: the q rows on their keys' rows; else the packed rows
-  directly); a
-  sequence with no used key outputs 0; unused keys get no gradient."""
+  directly); a sequence with no used key outputs 0; unused keys get no
+  gradient."""
   lens_q, lens_k, used = [3, 6, 2], [7, 6, 4], [5, 0, 4]
   tq, tk = sum(lens_q) + 2, sum(lens_k) + 1
   ks = jax.random.split(jax.random.key(21), 3)
