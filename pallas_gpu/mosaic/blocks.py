@@ -27,7 +27,9 @@ class Geometry:
   keys per pipeline step; Sq padded to ``2 * block_q``, Sk to ``block_kv``.
   dK/dV kernel: ``block_kv`` keys per compute warpgroup (a CTA owns two),
   ``block_q`` rows per pipeline step; Sk padded to ``2 * block_kv``, Sq to
-  ``block_q``. D is padded to 64/128/256 in both.
+  ``block_q``. D is padded to 64/128/256 in both. With ``split_cols`` (the
+  backward at D = 256) a CTA of the dQ or dK/dV kernel owns one block, which
+  both compute warpgroups share.
   """
 
   batch: int
@@ -69,6 +71,16 @@ class Geometry:
   q_at: tuple = (0, 0)
   k_at: tuple = (0, 0)
   v_at: tuple = (0, 0)
+  # Backward kernels: the two compute warpgroups share one block of rows (dQ)
+  # or keys (dK/dV), each accumulating one half of the head dim's output
+  # columns. At D = 256 one warpgroup's dK and dV (or dQ) accumulators over the
+  # whole head dim would not fit in its registers.
+  split_cols: bool = False
+
+  @property
+  def blocks_per_cta(self) -> int:
+    """Warpgroup blocks a CTA owns: two, or one shared with ``split_cols``."""
+    return 1 if self.split_cols else 2
 
   @property
   def group(self) -> int:
@@ -76,7 +88,7 @@ class Geometry:
 
   @property
   def num_q_tiles(self) -> int:
-    return self.seq_q_padded // (2 * self.block_q)
+    return self.seq_q_padded // (self.blocks_per_cta * self.block_q)
 
   @property
   def num_tiles(self) -> int:
@@ -91,7 +103,7 @@ class Geometry:
 
   @property
   def num_kv_tiles(self) -> int:
-    return self.seq_k_padded // (2 * self.block_kv)
+    return self.seq_k_padded // (self.blocks_per_cta * self.block_kv)
 
 
 def _window(ref, at, batch: int, rows: int):
@@ -268,10 +280,13 @@ def union_walk(rng):
   return rng, lo_c, hi_c
 
 
-def _walk(ranges, tile, narrow):
-  rng = [ranges(tile * 2 + w) for w in (0, 1)]
+def _walk(ranges, tile, narrow, per_cta: int):
+  """Warpgroup ``w`` owns block ``tile * per_cta + w`` (both own block ``tile``
+  when ``per_cta`` is 1)."""
+  own = [tile * per_cta + w % per_cta for w in (0, 1)]
+  rng = [ranges(i) for i in own]
   if narrow is not None:
-    rng = [segment_narrow(rg, narrow(tile * 2 + w)) for w, rg in enumerate(rng)]
+    rng = [segment_narrow(rg, narrow(i)) for i, rg in zip(own, rng)]
   return union_walk(rng)
 
 
@@ -279,10 +294,12 @@ def cta_block_ranges(g: Geometry, tile, narrow=None):
   """Forward and dQ: per warpgroup kv ranges of q tile ``tile`` and the CTA's
   walk; ``narrow(i)`` gives warpgroup row block ``i``'s visible kv blocks under
   segment ids (or None)."""
-  return _walk(lambda i: wg_block_ranges(g, i * g.block_q), tile, narrow)
+  return _walk(lambda i: wg_block_ranges(g, i * g.block_q), tile, narrow,
+               g.blocks_per_cta)
 
 
 def cta_q_ranges(g: Geometry, tile, narrow=None):
   """dK/dV: per warpgroup q ranges of kv tile ``tile`` and the CTA's walk;
   ``narrow(i)`` as in :func:`cta_block_ranges`, for warpgroup key block ``i``."""
-  return _walk(lambda i: wg_q_ranges(g, i * g.block_kv), tile, narrow)
+  return _walk(lambda i: wg_q_ranges(g, i * g.block_kv), tile, narrow,
+               g.blocks_per_cta)

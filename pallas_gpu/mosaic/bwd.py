@@ -43,6 +43,8 @@ element. dV takes the kept probabilities and dS the kept dP, both scaled by
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -96,6 +98,75 @@ def _dropped(keep, x, scale=None):
   return jnp.where(keep, x if scale is None else x * scale, 0.0)
 
 
+def _cols(g: Geometry) -> int:
+  """Head-dim columns of a warpgroup's output accumulator: all, or one half
+  with ``g.split_cols``."""
+  return g.head_dim // 2 if g.split_cols else g.head_dim
+
+
+def _slots(g: Geometry, n: int, rows: int, dtype, tiled):
+  """``n`` ring slots of a ``(rows, D)`` block, or with ``g.split_cols`` of its
+  two column halves (``[n, 2, rows, D / 2]``): a half is what one warpgroup's
+  output product reads, and no slice of a swizzled tile is needed."""
+  shape = (n, 2, rows, g.head_dim // 2) if g.split_cols else (n, rows, g.head_dim)
+  return plgpu.SMEM(shape, dtype, transforms=tiled)
+
+
+def _copy_block(g: Geometry, ref, rows, slot, bar):
+  """Copies the ``(rows, D)`` block ``ref[rows]`` into ``slot`` (laid out by
+  :func:`_slots`): with ``g.split_cols`` as two copies on ``bar``, which then
+  expects two arrivals. Each copy's columns go in the same index as its rows:
+  jax 0.11's Mosaic-GPU lowering failed on a column slice of a sliced ref inside
+  the memory warpgroup's loop."""
+  if not g.split_cols:
+    plgpu.copy_gmem_to_smem(ref.at[rows], slot, bar)
+    return
+  h = g.head_dim // 2
+  for i in range(2):
+    plgpu.copy_gmem_to_smem(ref.at[rows + (pl.ds(i * h, h),)], slot.at[i], bar)
+
+
+def _over_d(g: Geometry, slot):
+  """A slot's block as the operands of a product over the head dim: the block,
+  or its two column halves (accumulated one after the other). Built inside the
+  ``pl.run_state`` / ``pl.run_scoped`` body that reads them: a ref indexed by a
+  constant and closed over by ``pl.run_state`` fails to lower (jax 0.11)."""
+  return (slot.at[0], slot.at[1]) if g.split_cols else (slot,)
+
+
+def _own_over_d(g: Geometry, smem, wg):
+  """A warpgroup's own block (:func:`_own_block`) as operands over the head dim,
+  built where they are read, like :func:`_over_d`'s."""
+  return (smem.at[0], smem.at[1]) if g.split_cols else (smem.at[wg],)
+
+
+def _own_block(g: Geometry, ref, rows, smem, bars, wg):
+  """A warpgroup's own block (its keys, or its rows) into ``smem[wg]`` on
+  ``bars[wg]``: the block ``ref[rows]``, or with ``g.split_cols`` (both
+  warpgroups own that block) its column half ``wg``. Returns the barriers of
+  every part the warpgroup reads (:func:`_own_over_d`)."""
+  plgpu.copy_gmem_to_smem(ref.at[_out_cols(g, rows, wg)], smem.at[wg], bars.at[wg])
+  return (bars.at[0], bars.at[1]) if g.split_cols else (bars.at[wg],)
+
+
+def _done_reading(g: Geometry, meet):
+  """With ``g.split_cols`` a warpgroup writes its output half over its half of
+  the shared block, which the other warpgroup reads until its walk ends: both
+  meet on ``meet`` (:func:`_meet_barrier`) first."""
+  if g.split_cols:
+    plgpu.barrier_arrive(meet[0].at[0])
+    plgpu.barrier_wait(meet[0].at[0])
+
+
+def _out_cols(g: Geometry, rows, wg):
+  """The index ``rows`` (batch, rows, head) extended to the head-dim columns
+  warpgroup ``wg`` covers."""
+  if not g.split_cols:
+    return rows
+  h = g.head_dim // 2
+  return rows + (pl.ds(wg * h, h),)
+
+
 def registers(g: Geometry) -> tuple[int, int]:
   """Registers per thread of the compute and the memory warpgroups
   (pipeline.REGISTERS or REGISTERS_WIDE): the wide split for D = 128 with a
@@ -108,9 +179,10 @@ def registers(g: Geometry) -> tuple[int, int]:
   full band 0.6% slower (first run), so those keep 232. The second run's
   spread on unchanged full-band calls was -0.3% to +0.7%, as large as the
   smaller gains. Windows and full-band calls with segment ids were not
-  measured: windows follow causal, full-band calls keep 232.
+  measured: windows follow causal, full-band calls keep 232. D = 256 with
+  ``split_cols`` holds the accumulators of D = 128 and follows it.
   """
-  wide = g.head_dim == 128 and not g.band.is_full
+  wide = _cols(g) == 128 and not g.band.is_full
   return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 
@@ -139,7 +211,7 @@ def _dkv_program(g: Geometry, dtype):
   for key tile ``tile`` of one (query head, batch); ``seed``: the dropout words
   (or None); ``seg``: the segment refs (kv ids, q ids, table), shared memory and
   barriers, or None."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
+  bq, bk, stages = g.block_q, g.block_kv, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
              seg, smem, bars, free):
@@ -147,7 +219,7 @@ def _dkv_program(g: Geometry, dtype):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar = bars
+    q_bar, do_bar, st_bar, k_bar, v_bar, *meet = bars
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_q_ranges(g, tile, visible)
 
@@ -156,18 +228,19 @@ def _dkv_program(g: Geometry, dtype):
       plgpu.set_max_registers(registers(g)[0], action="increase")
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
-      k0 = tile * (2 * bk) + wg * bk
+      k0 = (tile if g.split_cols else tile * 2 + wg) * bk
       kv_h = lax.div(h, jnp.int32(g.group))
-      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
       rows = (b_idx, pl.ds(k0, bk), kv_h)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_bar.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
+      # The warpgroup's output columns of K and V (dK and dV go there at the end).
+      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+      k_waits = _own_block(g, k_ref, rows, k_smem, k_bar, wg)
+      v_waits = _own_block(g, v_ref, rows, v_smem, v_bar, wg)
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
         k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
                                  plgpu.Layout.WGMMA.reduce(1))
-      plgpu.barrier_wait(k_bar.at[wg])
-      plgpu.barrier_wait(v_bar.at[wg])
+      for bar in k_waits + v_waits:
+        plgpu.barrier_wait(bar)
 
       def q_ids(slot, load):
         if not g.segments:
@@ -186,11 +259,15 @@ def _dkv_program(g: Geometry, dtype):
       def step(s, carry, masked: bool):
         dk, dv = carry
         slot = lax.rem(s - lo_c, jnp.int32(stages))
-        my_q, my_do = q_smem.at[slot], do_smem.at[slot]
+        # The columns of Q and dO this warpgroup's dK and dV cover.
+        my_q, my_do = ((q_smem.at[slot, wg], do_smem.at[slot, wg]) if g.split_cols
+                       else (q_smem.at[slot], do_smem.at[slot]))
         plgpu.barrier_wait(q_bar.at[slot])
 
         def st_product(acc_ref):
-          plgpu.wgmma(acc_ref, my_k, compat.transpose_ref(my_q, (1, 0)))
+          for k_part, q_part in zip(_own_over_d(g, k_smem, wg),
+                                    _over_d(g, q_smem.at[slot])):
+            plgpu.wgmma(acc_ref, k_part, compat.transpose_ref(q_part, (1, 0)))
           return acc_ref[...]
 
         st = pl.run_scoped(st_product, plgpu.ACC((bk, bq), jnp.float32))
@@ -219,7 +296,9 @@ def _dkv_program(g: Geometry, dtype):
           # dP^T first: dS needs it, while dV (issued second) keeps the tensor
           # cores busy during the dS arithmetic; dO is free once dV is done.
           dpt_ref, dv_ref, dk_ref = refs
-          plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(my_do, (1, 0)))
+          for v_part, do_part in zip(_own_over_d(g, v_smem, wg),
+                                     _over_d(g, do_smem.at[slot])):
+            plgpu.wgmma(dpt_ref, v_part, compat.transpose_ref(do_part, (1, 0)))
           # dV takes the kept probabilities; 1 / (1 - rate) scales the fp32 dV
           # accumulator once at the end instead of every element.
           plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), my_do)
@@ -243,7 +322,7 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-      carry = (zeros((bk, d)), zeros((bk, d)))
+      carry = (zeros((bk, _cols(g))), zeros((bk, _cols(g))))
       lax.fori_loop(lo_c, lo, skip, None)
       carry = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), carry)
       carry = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), carry)
@@ -251,21 +330,22 @@ def _dkv_program(g: Geometry, dtype):
       lax.fori_loop(hi, hi_c, skip, None)
       dk, dv = carry
 
+      _done_reading(g, meet)
       my_k[...] = (dk * g.softmax_scale).astype(dtype)
       my_v[...] = (dv * inv_keep if g.dropout_rate else dv).astype(dtype)
       plgpu.commit_smem()
       out_rows = (b_idx, pl.ds(k0, bk), h)
-      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[out_rows])
-      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
+      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[_out_cols(g, out_rows, wg)])
+      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[_out_cols(g, out_rows, wg)])
       plgpu.wait_smem_to_gmem(0)
 
     def load_do(s, slot):
-      plgpu.copy_gmem_to_smem(do_ref.at[b_idx, pl.ds(s * bq, bq), h],
-                              do_smem.at[slot], do_bar.at[slot])
+      _copy_block(g, do_ref, (b_idx, pl.ds(s * bq, bq), h), do_smem.at[slot],
+                  do_bar.at[slot])
 
     def load_q(s, slot):
-      plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(s * bq, bq), h],
-                              q_smem.at[slot], q_bar.at[slot])
+      _copy_block(g, q_ref, (b_idx, pl.ds(s * bq, bq), h), q_smem.at[slot],
+                  q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
                               st_smem.at[slot], st_bar.at[slot])
       if g.segments:
@@ -279,15 +359,33 @@ def _dkv_program(g: Geometry, dtype):
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   smem = (
-      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
-      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+      _slots(g, stages, bq, dtype, tiled),
+      _slots(g, stages, bq, dtype, tiled),
       plgpu.SMEM((stages, _stat_rows(g), bq), jnp.float32),
-      plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
-      plgpu.SMEM((2, bk, d), dtype, transforms=tiled),
+      plgpu.SMEM((2, bk, _cols(g)), dtype, transforms=tiled),
+      plgpu.SMEM((2, bk, _cols(g)), dtype, transforms=tiled),
   )
-  bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
-  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-  return (smem, bars, free) + _segment_scoped(g, bk, bq), kernel
+  bars = (_slot_barrier(g, stages), _slot_barrier(g, stages),
+          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=2)) + _meet_barrier(g)
+  return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
+
+
+def _slot_barrier(g: Geometry, stages: int):
+  """A ring operand's barriers: one per slot, awaiting each copied part."""
+  return plgpu.Barrier(num_arrivals=2 if g.split_cols else 1, num_barriers=stages)
+
+
+def _meet_barrier(g: Geometry):
+  """With ``g.split_cols``, the barrier on which both compute warpgroups meet
+  before writing their outputs (:func:`_done_reading`)."""
+  return (plgpu.Barrier(num_arrivals=2, num_barriers=1),) if g.split_cols else ()
+
+
+def _free(stages: int):
+  """Two release barriers per slot (one per operand), each awaiting both compute
+  warpgroups."""
+  return (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
 
 
 def _launch(entry, out_type, grid, grid_names):
@@ -350,14 +448,14 @@ def _dq_program(g: Geometry, dtype):
   """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, seed, dq, (tile,
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
   :func:`_dkv_program` with q ids first."""
-  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
+  bq, bk, stages = g.block_q, g.block_kv, g.num_stages
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dq_ref, where, seg, smem,
              bars, free):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem = smem
-    q_bar, k_bar, v_bar = bars
+    q_bar, do_bar, st_bar, k_bar, v_bar, *meet = bars
     k_free, v_free = free
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_block_ranges(g, tile, visible)
@@ -367,19 +465,20 @@ def _dq_program(g: Geometry, dtype):
       plgpu.set_max_registers(registers(g)[0], action="increase")
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
-      r0 = tile * (2 * bq) + wg * bq
-      my_q, my_do, my_st = q_smem.at[wg], do_smem.at[wg], st_smem.at[wg]
+      r0 = (tile if g.split_cols else tile * 2 + wg) * bq
       rows = (b_idx, pl.ds(r0, bq), h)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, q_bar.at[3 * wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, q_bar.at[3 * wg + 1])
+      # The warpgroup's output columns of Q (dQ goes there at the end).
+      my_q, my_st = q_smem.at[wg], st_smem.at[wg]
+      q_waits = _own_block(g, q_ref, rows, q_smem, q_bar, wg)
+      do_waits = _own_block(g, do_ref, rows, do_smem, do_bar, wg)
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(r0, bq)], my_st,
-                              q_bar.at[3 * wg + 2])
+                              st_bar.at[wg])
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
         q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
                                  plgpu.Layout.WGMMA.reduce(1))
-      for i in range(3):
-        plgpu.barrier_wait(q_bar.at[3 * wg + i])
+      for bar in q_waits + do_waits + (st_bar.at[wg],):
+        plgpu.barrier_wait(bar)
 
       def kv_ids(slot, load):
         if not g.segments:
@@ -408,9 +507,15 @@ def _dq_program(g: Geometry, dtype):
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
           s_ref, dp_ref, acc_ref = refs
-          plgpu.wgmma(s_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
-          plgpu.wgmma(dp_ref, my_do, compat.transpose_ref(v_smem.at[slot], (1, 0)))
-          p, tanh = _probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), row(lse2), g)
+          do_parts = _own_over_d(g, do_smem, wg)
+          for q_part, k_part in zip(_own_over_d(g, q_smem, wg),
+                                    _over_d(g, k_smem.at[slot])):
+            plgpu.wgmma(s_ref, q_part, compat.transpose_ref(k_part, (1, 0)))
+          for do_part, v_part in zip(do_parts, _over_d(g, v_smem.at[slot])):
+            plgpu.wgmma(dp_ref, do_part, compat.transpose_ref(v_part, (1, 0)))
+          # One wgmma group per part: S is done once dP's are all that is left.
+          p, tanh = _probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=len(do_parts)),
+                           row(lse2), g)
           if masked:
             qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
             ok = keys < g.seq_k
@@ -423,7 +528,9 @@ def _dq_program(g: Geometry, dtype):
           dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
           plgpu.barrier_arrive(v_free.at[slot])
           ds = _dscores(p, _dropped(keep, dp, inv_keep), row(delta), tanh)
-          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+          # The columns of K this warpgroup's dQ covers.
+          my_k = k_smem.at[slot, wg] if g.split_cols else k_smem.at[slot]
+          plgpu.wgmma(acc_ref, ds.astype(dtype), my_k)
 
         _, _, acc = pl.run_state(products)(
             (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk))),
@@ -440,21 +547,22 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
 
-      acc = zeros((bq, d))
+      acc = zeros((bq, _cols(g)))
       lax.fori_loop(lo_c, lo, skip, None)
       acc = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), acc)
       acc = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), acc)
       acc = lax.fori_loop(bb, hi, lambda s, c: step(s, c, True), acc)
       lax.fori_loop(hi, hi_c, skip, None)
 
+      _done_reading(g, meet)
       my_q[...] = (acc * g.softmax_scale).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[_out_cols(g, rows, wg)])
       plgpu.wait_smem_to_gmem(0)
 
     load_k, load_v = pipeline.kv_loader(
         g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
-        lax.div(h, jnp.int32(g.group)))
+        lax.div(h, jnp.int32(g.group)), copy=functools.partial(_copy_block, g))
     if g.segments:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
       load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
@@ -464,16 +572,16 @@ def _dq_program(g: Geometry, dtype):
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   smem = (
-      plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
-      plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((2, bq, _cols(g)), dtype, transforms=tiled),
+      plgpu.SMEM((2, bq, _cols(g)), dtype, transforms=tiled),
       plgpu.SMEM((2, _stat_rows(g), bq), jnp.float32),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+      _slots(g, stages, bk, dtype, tiled),
+      _slots(g, stages, bk, dtype, tiled),
   )
-  bars = (plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_barriers=stages))
-  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-  return (smem, bars, free) + _segment_scoped(g, bq, bk), kernel
+  bars = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=2), _slot_barrier(g, stages),
+          _slot_barrier(g, stages)) + _meet_barrier(g)
+  return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 
 
 def _dq_tile(g: Geometry, index):

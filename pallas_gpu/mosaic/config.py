@@ -10,7 +10,9 @@ from ..triton.plan import TritonConfig
 
 HEAD_DIMS = (64, 128, 256)
 BACKWARD_KERNELS = ("mosaic", "triton")
-MOSAIC_BWD_MAX_HEAD_DIM = 128
+# Above this head dim the Mosaic backward's two compute warpgroups share one
+# block, each accumulating half of the output columns (blocks.Geometry.split_cols).
+FULL_WIDTH_BWD_MAX_HEAD_DIM = 128
 BIAS_MAX_HEAD_DIM = 128
 
 
@@ -189,5 +191,4 @@ def has_additive_tile(spec) -> bool:
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
-  return (config.backward_kernel == "mosaic" and not has_additive_tile(spec) and
-          padded_head_dim(spec) <= MOSAIC_BWD_MAX_HEAD_DIM)
+  return config.backward_kernel == "mosaic" and not has_additive_tile(spec)

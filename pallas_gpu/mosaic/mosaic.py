@@ -29,7 +29,8 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS, MosaicConfig,
+from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, FULL_WIDTH_BWD_MAX_HEAD_DIM,
+                     HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      has_additive_tile, padded_head_dim, uses_mosaic_backward)
 
@@ -97,7 +98,8 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       seq_k_padded=blocking.round_up(spec.seq_k, k_tile),
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
-      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate)
+      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate,
+      split_cols=d > FULL_WIDTH_BWD_MAX_HEAD_DIM)
   return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
                    **common),
           Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,

@@ -49,13 +49,18 @@ def ring_fill(step, num_stages: int, loads):
     load(slot)
 
 
-def kv_loader(g, refs, smems, bars, b_idx, kv_head):
+def _copy(ref, rows, slot, barrier):
+  plgpu.copy_gmem_to_smem(ref.at[rows], slot, barrier)
+
+
+def kv_loader(g, refs, smems, bars, b_idx, kv_head, copy=_copy):
   """``(load_k, load_v)``: each ``load(s, slot)`` copies block ``s`` (``g.block_kv``
-  keys) of one (batch, kv head) of K or V into ``slot``, with its own barrier."""
+  keys) of one (batch, kv head) of K or V into ``slot``, with its own barrier,
+  by ``copy(ref, rows, slot, barrier)``."""
   def loader(ref, smem, bar):
     def load(s, slot):
       rows = (b_idx, pl.ds(s * g.block_kv, g.block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], bar.at[slot])
+      copy(ref, rows, smem.at[slot], bar.at[slot])
     return load
   return tuple(loader(*x) for x in zip(refs, smems, bars))
 

@@ -42,6 +42,18 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
   def attention(self, q, k, v, **kwargs):
     return mosaic.flash_attention(q, k, v, **kwargs)
 
+  @pytest.mark.parametrize("kw", [
+      dict(), dict(causal=True), dict(seq_q=300, seq_k=200, sliding_window=(50, 10)),
+      dict(heads_q=4, heads_kv=1, logits_soft_cap=20.0),
+      dict(segment_ids="packed", causal=True), dict(dropout_rate=0.2, causal=True),
+      dict(head_dim=192, seq_q=170, seq_k=333)], ids=str)
+  def test_split_column_backward(self, kw):
+    """D > 128: the dQ and dK/dV kernels' warpgroups share one block, each
+    accumulating half of the output columns (blocks.Geometry.split_cols)."""
+    kw = {**dict(batch=2, seq_q=256, seq_k=384, heads_q=2, heads_kv=2,
+                 head_dim=256, seed=11), **kw}
+    self.check(conformance.Case(**kw))
+
 
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
   band = Band(seq_q=seq_q, seq_k=seq_k, left=left, right=right)
@@ -73,6 +85,20 @@ def test_cta_walks_hold_the_common_ranges_of_both_warpgroups(seq_q, seq_k, left,
         if hi > lo:
           assert tuple(int(x) for x in rng[w]) == (lo, a, b, hi)
         assert int(lo_c) <= int(rng[w][0]) <= int(rng[w][3]) <= int(hi_c) <= step
+  # Split columns (the backward at D > 128): both warpgroups own block `tile`.
+  g = dataclasses.replace(g, split_cols=True)
+  for walk, own, tiles, rows in (
+      (mosaic_blocks.cta_block_ranges, mosaic_blocks.wg_block_ranges, g.num_q_tiles,
+       g.block_q),
+      (mosaic_blocks.cta_q_ranges, mosaic_blocks.wg_q_ranges, g.num_kv_tiles,
+       g.block_kv)):
+    for tile in range(tiles):
+      rng, lo_c, hi_c = walk(g, tile)
+      want = tuple(int(x) for x in own(g, tile * rows))
+      for w in (0, 1):
+        got = tuple(int(x) for x in rng[w])
+        assert got == want or (want[3] <= want[0] and got[3] <= got[0])
+      assert (int(lo_c), int(hi_c)) == ((want[0], want[3]) if want[3] > want[0] else (0, 0))
 
 
 @pytest.mark.parametrize("batch,heads,seq,ctas", [
@@ -188,6 +214,13 @@ VARIANTS = [
     dict(dropout=True, segment_ids=True, logits_soft_cap=20.0),
     dict(dropout=True, bias=True, causal=True),
     dict(dropout=True, head_dim=256, sliding_window=(64, 0)),
+    # D = 256: the backward's warpgroups share a block, each owning half of the
+    # output columns, in one launch or two, with grouped heads, segment ids and
+    # a soft cap.
+    dict(head_dim=256, causal=True, bwd_one_launch=False),
+    dict(head_dim=256, seq_q=300, seq_k=200, heads_q=4, heads_kv=2,
+         logits_soft_cap=20.0),
+    dict(head_dim=192, segment_ids=True, causal=True),
 ]
 
 
@@ -255,11 +288,11 @@ def test_every_variant_lowers_for_cuda(variant):
 
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
-  # Forward, dQ and dK/dV kernels (one launch or two) up to D = 128;
-  # Pallas-Triton backward beyond.
+  # Forward, dQ and dK/dV kernels (one launch or two); the Pallas-Triton
+  # backward with an additive tile.
   mosaic_bwd_launches = 1 if one_launch else 2
   assert text.count("custom_call @mosaic_gpu") == (
-      1 + mosaic_bwd_launches if shape["head_dim"] <= 128 and not additive else 1)
+      1 if additive else 1 + mosaic_bwd_launches)
 
 
 @pytest.mark.parametrize("kw,head_dim,wide", [
@@ -378,14 +411,15 @@ def test_config_validation():
 
 
 def test_backward_kernel_choice():
-  """Mosaic backward up to D = 128 unless the config asks for Pallas-Triton's;
-  both backward kernels share one padding of Sq and Sk."""
+  """Mosaic backward unless the config asks for Pallas-Triton's (or the call has
+  a bias or mask); both backward kernels share one padding of Sq and Sk; above
+  D = 128 their warpgroups split the output columns."""
   s = lambda d, **kw: spec_lib.abstract_spec(batch=1, seq_q=300, seq_k=200, heads_q=2,
                                              head_dim=d, dtype="bfloat16", **kw)
   cfg = mosaic.MosaicConfig()
   assert mosaic.uses_mosaic_backward(s(64), cfg)
   assert mosaic.uses_mosaic_backward(s(96), cfg)
-  assert not mosaic.uses_mosaic_backward(s(256), cfg)
+  assert mosaic.uses_mosaic_backward(s(256), cfg)
   assert not mosaic.uses_mosaic_backward(
       s(64), mosaic.MosaicConfig(backward_kernel="triton"))
   g_dq, g_dkv = mosaic.backward_geometries(
@@ -393,6 +427,12 @@ def test_backward_kernel_choice():
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
   assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
+  assert not (g_dq.split_cols or g_dkv.split_cols)
+  assert (g_dq.num_q_tiles, g_dkv.num_kv_tiles) == (3, 2)
+  g_dq, g_dkv = mosaic.backward_geometries(s(256), cfg)
+  assert g_dq.split_cols and g_dkv.split_cols
+  assert (g_dq.seq_q_padded, g_dq.seq_k_padded) == (384, 256)
+  assert (g_dq.num_q_tiles, g_dkv.num_kv_tiles) == (6, 4)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
