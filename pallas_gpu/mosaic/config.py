@@ -121,8 +121,9 @@ class MosaicConfig:
     fwd: the forward kernel (:class:`MosaicForward`).
     dq: the dQ kernel (:class:`MosaicDq`).
     dkv: the dK/dV kernel (:class:`MosaicDkv`).
-    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels, head dims
-      <= 128) or "triton" (Pallas-Triton's backward).
+    backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels; above
+      D = 128 with the default tiles only, see :func:`split_backward_tiles`)
+      or "triton" (Pallas-Triton's backward).
     bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
       instead of two) rather than one after the other.
     backward: the Pallas-Triton backward's config where that one runs (resolved
@@ -188,6 +189,19 @@ def has_additive_tile(spec) -> bool:
   """A bias or dense mask: the forward streams one additive tile; the backward is
   Pallas-Triton's."""
   return spec.bias_shape is not None or spec.mask_shape is not None
+
+
+def split_backward_tiles(config: MosaicConfig) -> str | None:
+  """Why ``config``'s backward tiles do not fit shared memory above D = 128, or
+  None. There a dQ CTA holds its 64 rows of Q and dO and two stages of 64-key K
+  and V blocks, a dK/dV CTA its 64 keys of K and V and two stages of 64-row Q
+  and dO blocks: 192 KiB of the 227 at D = 256, so any larger block or a third
+  stage does not fit."""
+  if (config.dq, config.dkv) == (MosaicDq(), MosaicDkv()):
+    return None
+  return (f"above head dim {FULL_WIDTH_BWD_MAX_HEAD_DIM} the Mosaic backward's tiles "
+          f"must be dq={MosaicDq()} and dkv={MosaicDkv()} (larger ones do not fit "
+          f"shared memory), got dq={config.dq}, dkv={config.dkv}")
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:

@@ -32,7 +32,8 @@ from .blocks import Geometry, dropout_key_halves, dropout_row_keys
 from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, FULL_WIDTH_BWD_MAX_HEAD_DIM,
                      HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
-                     has_additive_tile, padded_head_dim, uses_mosaic_backward)
+                     has_additive_tile, padded_head_dim, split_backward_tiles,
+                     uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
 CONFIG = MosaicConfig
@@ -266,7 +267,12 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
     config = configs.with_part(config, "fwd", block_kv=BIAS_FORWARD.block_kv,
                                num_stages=BIAS_FORWARD.num_stages)
-  # The Pallas-Triton backward's tiles (D > 128) travel in the config.
+  if (padded_head_dim(spec) > FULL_WIDTH_BWD_MAX_HEAD_DIM and
+      uses_mosaic_backward(spec, config) and split_backward_tiles(config)):
+    if explicit:
+      raise ValueError(split_backward_tiles(config))
+    config = dataclasses.replace(config, dq=MosaicDq(), dkv=MosaicDkv())
+  # The Pallas-Triton backward's tiles (a bias or mask) travel in the config.
   config = dataclasses.replace(config, backward=config.backward or
                                pallas_triton.resolve_config(spec, None, False))
   return vjp.attention(forward, backward, ops, spec, platform.Static(config),

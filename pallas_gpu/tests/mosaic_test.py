@@ -408,6 +408,13 @@ def test_config_validation():
   for cls, kw, match in bad:
     with pytest.raises(ValueError, match=match):
       cls(**kw)
+  # Above D = 128 the backward's tiles must be the defaults (mosaic.py raises
+  # this for an explicit config and resets a cached one).
+  from flashjax.pallas_gpu.mosaic import config as mosaic_config
+  assert mosaic_config.split_backward_tiles(mosaic.MosaicConfig()) is None
+  why = mosaic_config.split_backward_tiles(
+      mosaic.MosaicConfig(dq=mosaic.MosaicDq(block_kv=128)))
+  assert "above head dim 128" in why and "got dq=MosaicDq(block_q=64, block_kv=128" in why
 
 
 def test_backward_kernel_choice():
@@ -523,8 +530,11 @@ def test_autotune_candidates_are_valid_per_head_dim():
     fwd = mosaic_autotune.forward_candidates(s, base)
     assert base in fwd  # the default is among them (the driver drops repeats)
     assert all(isinstance(c, mosaic.MosaicConfig) for c in fwd)
-    # D = 256 runs the Pallas-Triton backward: no Mosaic backward candidates.
-    assert bool(mosaic_autotune.backward_candidates(s, base)) == (d <= 128)
+    # Above D = 128 only the launch varies: larger tiles do not fit.
+    bwd = mosaic_autotune.backward_candidates(s, base)
+    assert len(bwd) == (5 if d <= 128 else 1)
+    if d > 128:
+      assert (bwd[0].dq, bwd[0].dkv) == (mosaic.MosaicDq(), mosaic.MosaicDkv())
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
