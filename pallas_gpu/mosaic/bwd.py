@@ -179,10 +179,11 @@ def registers(g: Geometry) -> tuple[int, int]:
   full band 0.6% slower (first run), so those keep 232. The second run's
   spread on unchanged full-band calls was -0.3% to +0.7%, as large as the
   smaller gains. Windows and full-band calls with segment ids were not
-  measured: windows follow causal, full-band calls keep 232. D = 256 with
-  ``split_cols`` holds the accumulators of D = 128 and follows it.
+  measured: windows follow causal, full-band calls keep 232. With
+  ``split_cols`` (D > 128) the dK/dV kernel's warpgroups each hold a 64 x 256
+  fp32 accumulator: the wide split, and the dQ kernel follows it.
   """
-  wide = _cols(g) == 128 and not g.band.is_full
+  wide = (g.head_dim == 128 and not g.band.is_full) or g.split_cols
   return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 
@@ -210,16 +211,25 @@ def _dkv_program(g: Geometry, dtype):
   ``kernel(q, k, v, do, stats, seed, dk, dv, (tile, head, batch), seg, *scoped)``
   for key tile ``tile`` of one (query head, batch); ``seed``: the dropout words
   (or None); ``seg``: the segment refs (kv ids, q ids, table), shared memory and
-  barriers, or None."""
-  bq, bk, stages = g.block_q, g.block_kv, g.num_stages
+  barriers, or None.
+
+  With ``g.split_cols`` (D > 128) the two compute warpgroups share one block of
+  keys in two roles instead of owning one each: warpgroup 0 computes P^T and
+  dV, warpgroup 1 dP^T, dS^T and dK, each over the whole head dim (one fp32
+  accumulator of 64 x 256 fits a warpgroup's registers, two do not). P^T goes
+  from one to the other through two fp16 shared-memory buffers, with the
+  dropout's drops as its sign and the soft cap's factor folded in, so the
+  tensor-core work is the plain kernel's, not computed twice."""
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
+  roles = g.split_cols
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
              seg, smem, bars, free):
     q_free, do_free = free
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
-    q_smem, do_smem, st_smem, k_smem, v_smem = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar, *meet = bars
+    q_smem, do_smem, st_smem, k_smem, v_smem, *handover = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar, *handover_bars = bars
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_q_ranges(g, tile, visible)
 
@@ -228,19 +238,25 @@ def _dkv_program(g: Geometry, dtype):
       plgpu.set_max_registers(registers(g)[0], action="increase")
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
-      k0 = (tile if g.split_cols else tile * 2 + wg) * bk
+      k0 = (tile if roles else tile * 2 + wg) * bk
       kv_h = lax.div(h, jnp.int32(g.group))
       rows = (b_idx, pl.ds(k0, bk), kv_h)
-      # The warpgroup's output columns of K and V (dK and dV go there at the end).
-      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-      k_waits = _own_block(g, k_ref, rows, k_smem, k_bar, wg)
-      v_waits = _own_block(g, v_ref, rows, v_smem, v_bar, wg)
+      # One block each, or the shared block unindexed: a ref indexed by a
+      # constant and closed over by pl.run_state fails to lower (jax 0.11).
+      my_k, my_v = (k_smem, v_smem) if roles else (k_smem.at[wg], v_smem.at[wg])
+      if roles:
+        # Warpgroup 0 reads only K, warpgroup 1 only V.
+        pl.when(wg == 0)(lambda: plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k,
+                                                         k_bar.at[0]))
+        pl.when(wg == 1)(lambda: plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v,
+                                                         v_bar.at[0]))
+      else:
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_bar.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
         k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
                                  plgpu.Layout.WGMMA.reduce(1))
-      for bar in k_waits + v_waits:
-        plgpu.barrier_wait(bar)
 
       def q_ids(slot, load):
         if not g.segments:
@@ -256,25 +272,21 @@ def _dkv_program(g: Geometry, dtype):
         # The keys are this warpgroup's own: their hash terms once per CTA.
         key_terms = dropout_col_keys(seed_ref, positions(bk, 0, k0))
 
-      def step(s, carry, masked: bool):
-        dk, dv = carry
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        # The columns of Q and dO this warpgroup's dK and dV cover.
-        my_q, my_do = ((q_smem.at[slot, wg], do_smem.at[slot, wg]) if g.split_cols
-                       else (q_smem.at[slot], do_smem.at[slot]))
+      def stat(slot, i):
+        return compat.mgpu_load(st_smem.at[slot, i], plgpu.Layout.WGMMA.reduce(0))
+
+      def probs_t(s, slot, masked: bool):
+        """P^T of step ``s`` with the band's and the ids' zeros, tanh of the
+        soft cap (or None) and the dropout's keep mask (or None)."""
         plgpu.barrier_wait(q_bar.at[slot])
 
         def st_product(acc_ref):
-          for k_part, q_part in zip(_own_over_d(g, k_smem, wg),
-                                    _over_d(g, q_smem.at[slot])):
-            plgpu.wgmma(acc_ref, k_part, compat.transpose_ref(q_part, (1, 0)))
+          plgpu.wgmma(acc_ref, my_k, compat.transpose_ref(q_smem.at[slot], (1, 0)))
           return acc_ref[...]
 
         st = pl.run_scoped(st_product, plgpu.ACC((bk, bq), jnp.float32))
         plgpu.barrier_wait(st_bar.at[slot])
-        lse2 = compat.mgpu_load(st_smem.at[slot, 0], plgpu.Layout.WGMMA.reduce(0))
-        delta = compat.mgpu_load(st_smem.at[slot, 1], plgpu.Layout.WGMMA.reduce(0))
-        pt, tanh = _probs(st, col(lse2), g)
+        pt, tanh = _probs(st, col(stat(slot, 0)), g)
         keep = None
         if g.dropout_rate:
           keep = dropout_keep(g, _load_row_keys(st_smem.at[slot],
@@ -290,21 +302,26 @@ def _dkv_program(g: Geometry, dtype):
             ok = same if ok is None else ok & same
           if ok is not None:
             pt = jnp.where(ok, pt, 0.0)
+        return pt, tanh, keep
+
+      def step(s, carry, masked: bool):
+        dk, dv = carry
+        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        pt, tanh, keep = probs_t(s, slot, masked)
+        delta = stat(slot, 1)
         plgpu.barrier_wait(do_bar.at[slot])
 
         def products(refs):
           # dP^T first: dS needs it, while dV (issued second) keeps the tensor
           # cores busy during the dS arithmetic; dO is free once dV is done.
           dpt_ref, dv_ref, dk_ref = refs
-          for v_part, do_part in zip(_own_over_d(g, v_smem, wg),
-                                     _over_d(g, do_smem.at[slot])):
-            plgpu.wgmma(dpt_ref, v_part, compat.transpose_ref(do_part, (1, 0)))
+          plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(do_smem.at[slot], (1, 0)))
           # dV takes the kept probabilities; 1 / (1 - rate) scales the fp32 dV
           # accumulator once at the end instead of every element.
-          plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), my_do)
+          plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), do_smem.at[slot])
           dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
           dst = _dscores(pt, _dropped(keep, dpt, inv_keep), col(delta), tanh)
-          plgpu.wgmma(dk_ref, dst.astype(dtype), my_q)
+          plgpu.wgmma(dk_ref, dst.astype(dtype), q_smem.at[slot])
           plgpu.wgmma_wait(1)
           plgpu.barrier_arrive(do_free.at[slot])
 
@@ -322,30 +339,104 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-      carry = (zeros((bk, _cols(g))), zeros((bk, _cols(g))))
-      lax.fori_loop(lo_c, lo, skip, None)
-      carry = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), carry)
-      carry = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), carry)
-      carry = lax.fori_loop(bb, hi, lambda s, c: step(s, c, True), carry)
-      lax.fori_loop(hi, hi_c, skip, None)
-      dk, dv = carry
+      def walk(body, carry):
+        """The band's phases: skip / masked / plain / masked / skip."""
+        lax.fori_loop(lo_c, lo, skip, None)
+        carry = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), carry)
+        carry = lax.fori_loop(a, bb, lambda s, c: body(s, c, False), carry)
+        carry = lax.fori_loop(bb, hi, lambda s, c: body(s, c, True), carry)
+        lax.fori_loop(hi, hi_c, skip, None)
+        return carry
 
-      _done_reading(g, meet)
-      my_k[...] = (dk * g.softmax_scale).astype(dtype)
-      my_v[...] = (dv * inv_keep if g.dropout_rate else dv).astype(dtype)
-      plgpu.commit_smem()
-      out_rows = (b_idx, pl.ds(k0, bk), h)
-      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[_out_cols(g, out_rows, wg)])
-      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[_out_cols(g, out_rows, wg)])
-      plgpu.wait_smem_to_gmem(0)
+      def write(acc, smem_block, out_ref):
+        smem_block[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem_block, out_ref.at[b_idx, pl.ds(k0, bk), h])
+
+      if not roles:
+        plgpu.barrier_wait(k_bar.at[wg])
+        plgpu.barrier_wait(v_bar.at[wg])
+        dk, dv = walk(step, (zeros((bk, d)), zeros((bk, d))))
+        write(dk * g.softmax_scale, my_k, dk_ref)
+        write(dv * inv_keep if g.dropout_rate else dv, my_v, dv_ref)
+        plgpu.wait_smem_to_gmem(0)
+        return
+
+      (pt_smem,), (pt_full, pt_free) = handover, handover_bars
+      # Both warpgroups walk the same range, with no skip steps: the hand-over
+      # buffer of step s is (s - lo) % 2.
+      buffer = lambda s: lax.rem(s - lo, jnp.int32(2))
+
+      def p_step(s, dv, masked: bool):
+        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        pt, tanh, keep = probs_t(s, slot, masked)
+        # What warpgroup 1 needs of P^T: dS^T = hand * (dP^T - delta), where
+        # hand > 0 keeps the element.
+        hand = pt if tanh is None else pt * (1.0 - tanh * tanh)
+        if keep is not None:
+          hand = jnp.where(keep, hand, -hand)
+        pl.when(s - lo >= 2)(lambda: plgpu.barrier_wait(pt_free.at[buf]))
+        pt_smem.at[buf][...] = hand.astype(jnp.float16)
+        plgpu.barrier_arrive(pt_full.at[buf])
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        def products(dv_ref):
+          plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), do_smem.at[slot])
+
+        dv = pl.run_state(products)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dv
+
+      def ds_step(s, dk, masked: bool):
+        del masked  # P^T arrives with its zeros
+        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        plgpu.barrier_wait(do_bar.at[slot])
+        plgpu.barrier_wait(st_bar.at[slot])
+        delta = stat(slot, 1)
+
+        def products(refs):
+          dpt_ref, dk_ref = refs
+          plgpu.wgmma(dpt_ref, my_v, compat.transpose_ref(do_smem.at[slot], (1, 0)))
+          dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=0)
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_wait(pt_full.at[buf])
+          hand = pt_smem.at[buf][...].astype(jnp.float32)
+          plgpu.barrier_arrive(pt_free.at[buf])
+          if g.dropout_rate:
+            dpt = jnp.where(hand > 0.0, dpt * inv_keep, 0.0)
+            hand = jnp.abs(hand)
+          dst = hand * (dpt - col(delta))
+          plgpu.barrier_wait(q_bar.at[slot])
+          plgpu.wgmma(dk_ref, dst.astype(dtype), q_smem.at[slot])
+
+        _, dk = pl.run_state(products)(
+            (plgpu.ACC.init(zeros((bk, bq))), plgpu.ACC.init(dk)))
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk
+
+      @pl.when(wg == 0)
+      def _p():
+        plgpu.barrier_wait(k_bar.at[0])
+        dv = walk(p_step, zeros((bk, d)))
+        # K is read by this warpgroup only: dV goes out through its buffer.
+        write(dv * inv_keep if g.dropout_rate else dv, my_k, dv_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 1)
+      def _ds():
+        plgpu.barrier_wait(v_bar.at[0])
+        dk = walk(ds_step, zeros((bk, d)))
+        write(dk * g.softmax_scale, my_v, dk_ref)
+        plgpu.wait_smem_to_gmem(0)
 
     def load_do(s, slot):
-      _copy_block(g, do_ref, (b_idx, pl.ds(s * bq, bq), h), do_smem.at[slot],
-                  do_bar.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b_idx, pl.ds(s * bq, bq), h],
+                              do_smem.at[slot], do_bar.at[slot])
 
     def load_q(s, slot):
-      _copy_block(g, q_ref, (b_idx, pl.ds(s * bq, bq), h), q_smem.at[slot],
-                  q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(s * bq, bq), h],
+                              q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
                               st_smem.at[slot], st_bar.at[slot])
       if g.segments:
@@ -358,16 +449,18 @@ def _dkv_program(g: Geometry, dtype):
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q)), registers(g)[1]))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  own = (bk, d) if roles else (2, bk, d)
   smem = (
-      _slots(g, stages, bq, dtype, tiled),
-      _slots(g, stages, bq, dtype, tiled),
+      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
+      plgpu.SMEM((stages, bq, d), dtype, transforms=tiled),
       plgpu.SMEM((stages, _stat_rows(g), bq), jnp.float32),
-      plgpu.SMEM((2, bk, _cols(g)), dtype, transforms=tiled),
-      plgpu.SMEM((2, bk, _cols(g)), dtype, transforms=tiled),
+      plgpu.SMEM(own, dtype, transforms=tiled),
+      plgpu.SMEM(own, dtype, transforms=tiled),
   )
-  bars = (_slot_barrier(g, stages), _slot_barrier(g, stages),
-          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=2)) + _meet_barrier(g)
+  bars = tuple(plgpu.Barrier(num_barriers=n) for n in (stages, stages, stages, 2, 2))
+  if roles:
+    smem += (plgpu.SMEM((2, bk, bq), jnp.float16, transforms=tiled),)
+    bars += (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
   return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
 
 

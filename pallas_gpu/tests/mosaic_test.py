@@ -298,13 +298,14 @@ def test_every_variant_lowers_for_cuda(variant):
 @pytest.mark.parametrize("kw,head_dim,wide", [
     (dict(), 128, False), (dict(causal=True), 128, True),
     (dict(sliding_window=(64, 64)), 128, True), (dict(causal=True), 64, False),
-    (dict(causal=True, segment_ids=True), 128, True), (dict(segment_ids=True), 128, False)])
+    (dict(causal=True, segment_ids=True), 128, True), (dict(segment_ids=True), 128, False),
+    (dict(), 256, True)])
 def test_register_split_per_kernel(monkeypatch, kw, head_dim, wide):
   """The kernels ask setmaxnreg for one of the two splits, each handing out
   exactly the 168 x 384 registers a three-warpgroup CTA launches with (more
   hangs): the forward always the narrow one, the backward the wide one for
-  D = 128 with a causal or window band (bwd.registers), as recorded while the
-  kernels are traced for CUDA."""
+  D = 128 with a causal or window band and above D = 128 (bwd.registers), as
+  recorded while the kernels are traced for CUDA."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from flashjax.pallas_gpu.mosaic import pipeline
   for compute, memory in (pipeline.REGISTERS, pipeline.REGISTERS_WIDE):
@@ -445,21 +446,24 @@ def test_backward_kernel_choice():
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(sliding_window=(100, 20)),
                                 dict(seq_k=333, logits_soft_cap=20.0),
-                                dict(causal=True, dropout_rate=0.2, dropout_seed=3)],
+                                dict(causal=True, dropout_rate=0.2, dropout_seed=3),
+                                dict(head_dim=256, sliding_window=(100, 20))],
                          ids=str)
 def test_one_launch_backward_equals_two_launches(kw):
   """The combined dQ + dK/dV launch runs the same arithmetic per CTA, so its
   gradients equal the two-launch ones bit for bit (and the reference's, within
   the conformance tolerances, through the suite above)."""
   kw = dict(kw)
-  sk = kw.pop("seq_k", 512)
+  sk, d = kw.pop("seq_k", 512), kw.pop("head_dim", 128)
   ks = jax.random.split(jax.random.key(3), 4)
-  q = jax.random.normal(ks[0], (2, 384, 4, 128), jnp.bfloat16)
-  k, v = (jax.random.normal(kk, (2, sk, 2, 128), jnp.bfloat16) for kk in ks[1:3])
+  q = jax.random.normal(ks[0], (2, 384, 4, d), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (2, sk, 2, d), jnp.bfloat16) for kk in ks[1:3])
   do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
 
   def grads(one_launch):
-    cfg = mosaic.MosaicConfig(bwd_one_launch=one_launch)
+    # D = 256 forwards fit shared memory with 64-key blocks only.
+    fwd = mosaic.MosaicForward(block_kv=64 if d > 128 else 128)
+    cfg = mosaic.MosaicConfig(fwd=fwd, bwd_one_launch=one_launch)
     f = lambda q, k, v: jnp.sum(mosaic.flash_attention(q, k, v, config=cfg, **kw)
                                 .astype(jnp.float32) * do.astype(jnp.float32))
     return jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
