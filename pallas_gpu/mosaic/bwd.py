@@ -98,73 +98,44 @@ def _dropped(keep, x, scale=None):
   return jnp.where(keep, x if scale is None else x * scale, 0.0)
 
 
-def _cols(g: Geometry) -> int:
-  """Head-dim columns of a warpgroup's output accumulator: all, or one half
-  with ``g.split_cols``."""
-  return g.head_dim // 2 if g.split_cols else g.head_dim
-
-
-def _slots(g: Geometry, n: int, rows: int, dtype, tiled):
-  """``n`` ring slots of a ``(rows, D)`` block, or with ``g.split_cols`` of its
-  two column halves (``[n, 2, rows, D / 2]``): a half is what one warpgroup's
-  output product reads, and no slice of a swizzled tile is needed."""
-  shape = (n, 2, rows, g.head_dim // 2) if g.split_cols else (n, rows, g.head_dim)
-  return plgpu.SMEM(shape, dtype, transforms=tiled)
-
-
-def _copy_block(g: Geometry, ref, rows, slot, bar):
-  """Copies the ``(rows, D)`` block ``ref[rows]`` into ``slot`` (laid out by
-  :func:`_slots`): with ``g.split_cols`` as two copies on ``bar``, which then
-  expects two arrivals. Each copy's columns go in the same index as its rows:
-  jax 0.11's Mosaic-GPU lowering failed on a column slice of a sliced ref inside
-  the memory warpgroup's loop."""
-  if not g.split_cols:
-    plgpu.copy_gmem_to_smem(ref.at[rows], slot, bar)
-    return
-  h = g.head_dim // 2
-  for i in range(2):
-    plgpu.copy_gmem_to_smem(ref.at[rows + (pl.ds(i * h, h),)], slot.at[i], bar)
-
-
-def _over_d(g: Geometry, slot):
-  """A slot's block as the operands of a product over the head dim: the block,
-  or its two column halves (accumulated one after the other). Built inside the
+def _halves(block):
+  """A block held as two column halves (``[2, rows, D / 2]``) as the operands of a
+  product over the head dim, accumulated one after the other. Built inside the
   ``pl.run_state`` / ``pl.run_scoped`` body that reads them: a ref indexed by a
   constant and closed over by ``pl.run_state`` fails to lower (jax 0.11)."""
-  return (slot.at[0], slot.at[1]) if g.split_cols else (slot,)
+  return block.at[0], block.at[1]
 
 
-def _own_over_d(g: Geometry, smem, wg):
-  """A warpgroup's own block (:func:`_own_block`) as operands over the head dim,
-  built where they are read, like :func:`_over_d`'s."""
-  return (smem.at[0], smem.at[1]) if g.split_cols else (smem.at[wg],)
-
-
-def _own_block(g: Geometry, ref, rows, smem, bars, wg):
-  """A warpgroup's own block (its keys, or its rows) into ``smem[wg]`` on
-  ``bars[wg]``: the block ``ref[rows]``, or with ``g.split_cols`` (both
-  warpgroups own that block) its column half ``wg``. Returns the barriers of
-  every part the warpgroup reads (:func:`_own_over_d`)."""
-  plgpu.copy_gmem_to_smem(ref.at[_out_cols(g, rows, wg)], smem.at[wg], bars.at[wg])
-  return (bars.at[0], bars.at[1]) if g.split_cols else (bars.at[wg],)
-
-
-def _done_reading(g: Geometry, meet):
-  """With ``g.split_cols`` a warpgroup writes its output half over its half of
-  the shared block, which the other warpgroup reads until its walk ends: both
-  meet on ``meet`` (:func:`_meet_barrier`) first."""
-  if g.split_cols:
-    plgpu.barrier_arrive(meet[0].at[0])
-    plgpu.barrier_wait(meet[0].at[0])
-
-
-def _out_cols(g: Geometry, rows, wg):
-  """The index ``rows`` (batch, rows, head) extended to the head-dim columns
-  warpgroup ``wg`` covers."""
-  if not g.split_cols:
-    return rows
+def _copy_half(g: Geometry, ref, rows, i, dst, bar):
+  """Copies column half ``i`` of the ``(rows, D)`` block ``ref[rows]`` into
+  ``dst``. The columns go in the same index as the rows: jax 0.11's Mosaic-GPU
+  lowering failed on a column slice of a sliced ref inside a loop."""
   h = g.head_dim // 2
-  return rows + (pl.ds(wg * h, h),)
+  plgpu.copy_gmem_to_smem(ref.at[rows + (pl.ds(i * h, h),)], dst, bar)
+
+
+def _copy_halves(g: Geometry, ref, rows, slot, bar):
+  """Both column halves of ``ref[rows]`` into a two-part ``slot``, on one barrier
+  (which then expects two arrivals)."""
+  for i in range(2):
+    _copy_half(g, ref, rows, i, slot.at[i], bar)
+
+
+def _handover(p, tanh, keep):
+  """What the dS warpgroup of a kernel with roles needs of P (or P^T): P times
+  the soft cap's ``1 - tanh^2``, negated where dropout drops, so that
+  :func:`_dscores_from_handover` gives dS from it and dP alone."""
+  hand = p if tanh is None else p * (1.0 - tanh * tanh)
+  return hand if keep is None else jnp.where(keep, hand, -hand)
+
+
+def _dscores_from_handover(hand, dp, delta, g: Geometry):
+  """dS = P (dP - delta) (through the soft cap and the dropout) from
+  :func:`_handover`'s value."""
+  if g.dropout_rate:
+    dp = jnp.where(hand > 0.0, dp * dropout.keep_scale(g.dropout_rate), 0.0)
+    hand = jnp.abs(hand)
+  return hand * (dp - delta)
 
 
 def registers(g: Geometry) -> tuple[int, int]:
@@ -370,13 +341,8 @@ def _dkv_program(g: Geometry, dtype):
       def p_step(s, dv, masked: bool):
         slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
         pt, tanh, keep = probs_t(s, slot, masked)
-        # What warpgroup 1 needs of P^T: dS^T = hand * (dP^T - delta), where
-        # hand > 0 keeps the element.
-        hand = pt if tanh is None else pt * (1.0 - tanh * tanh)
-        if keep is not None:
-          hand = jnp.where(keep, hand, -hand)
         pl.when(s - lo >= 2)(lambda: plgpu.barrier_wait(pt_free.at[buf]))
-        pt_smem.at[buf][...] = hand.astype(jnp.float16)
+        pt_smem.at[buf][...] = _handover(pt, tanh, keep).astype(jnp.float16)
         plgpu.barrier_arrive(pt_full.at[buf])
         plgpu.barrier_wait(do_bar.at[slot])
 
@@ -403,10 +369,7 @@ def _dkv_program(g: Geometry, dtype):
           plgpu.barrier_wait(pt_full.at[buf])
           hand = pt_smem.at[buf][...].astype(jnp.float32)
           plgpu.barrier_arrive(pt_free.at[buf])
-          if g.dropout_rate:
-            dpt = jnp.where(hand > 0.0, dpt * inv_keep, 0.0)
-            hand = jnp.abs(hand)
-          dst = hand * (dpt - col(delta))
+          dst = _dscores_from_handover(hand, dpt, col(delta), g)
           plgpu.barrier_wait(q_bar.at[slot])
           plgpu.wgmma(dk_ref, dst.astype(dtype), q_smem.at[slot])
 
@@ -462,17 +425,6 @@ def _dkv_program(g: Geometry, dtype):
     smem += (plgpu.SMEM((2, bk, bq), jnp.float16, transforms=tiled),)
     bars += (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
   return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
-
-
-def _slot_barrier(g: Geometry, stages: int):
-  """A ring operand's barriers: one per slot, awaiting each copied part."""
-  return plgpu.Barrier(num_arrivals=2 if g.split_cols else 1, num_barriers=stages)
-
-
-def _meet_barrier(g: Geometry):
-  """With ``g.split_cols``, the barrier on which both compute warpgroups meet
-  before writing their outputs (:func:`_done_reading`)."""
-  return (plgpu.Barrier(num_arrivals=2, num_barriers=1),) if g.split_cols else ()
 
 
 def _free(stages: int):
@@ -540,15 +492,22 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
 def _dq_program(g: Geometry, dtype):
   """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, seed, dq, (tile,
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
-  :func:`_dkv_program` with q ids first."""
+  :func:`_dkv_program` with q ids first.
+
+  With ``g.split_cols`` (D > 128) the two compute warpgroups share one block of
+  rows in two roles, as in the dK/dV kernel: warpgroup 0 computes P (handing it
+  over as there) and the first half of dQ's columns, warpgroup 1 dP, dS (handed
+  back through shared memory) and the second half. Blocks are held as two
+  column halves (:func:`_slots`), the operands of the halves' products."""
   bq, bk, stages = g.block_q, g.block_kv, g.num_stages
+  roles = g.split_cols
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dq_ref, where, seg, smem,
              bars, free):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
-    q_smem, do_smem, st_smem, k_smem, v_smem = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar, *meet = bars
+    q_smem, do_smem, st_smem, k_smem, v_smem, *handover = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar, *handover_bars = bars
     k_free, v_free = free
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_block_ranges(g, tile, visible)
@@ -558,20 +517,26 @@ def _dq_program(g: Geometry, dtype):
       plgpu.set_max_registers(registers(g)[0], action="increase")
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
-      r0 = (tile if g.split_cols else tile * 2 + wg) * bq
+      r0 = (tile if roles else tile * 2 + wg) * bq
       rows = (b_idx, pl.ds(r0, bq), h)
-      # The warpgroup's output columns of Q (dQ goes there at the end).
-      my_q, my_st = q_smem.at[wg], st_smem.at[wg]
-      q_waits = _own_block(g, q_ref, rows, q_smem, q_bar, wg)
-      do_waits = _own_block(g, do_ref, rows, do_smem, do_bar, wg)
+      my_st = st_smem.at[wg]
+      if roles:
+        # Warpgroup 0 reads only Q, warpgroup 1 only dO, each both halves.
+        for i in range(2):
+          pl.when(wg == 0)(functools.partial(
+              _copy_half, g, q_ref, rows, i, q_smem.at[i], q_bar.at[i]))
+          pl.when(wg == 1)(functools.partial(
+              _copy_half, g, do_ref, rows, i, do_smem.at[i], do_bar.at[i]))
+      else:
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], do_bar.at[wg])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(r0, bq)], my_st,
                               st_bar.at[wg])
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
         q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
                                  plgpu.Layout.WGMMA.reduce(1))
-      for bar in q_waits + do_waits + (st_bar.at[wg],):
-        plgpu.barrier_wait(bar)
+      plgpu.barrier_wait(st_bar.at[wg])
 
       def kv_ids(slot, load):
         if not g.segments:
@@ -587,43 +552,45 @@ def _dq_program(g: Geometry, dtype):
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
 
+      def keep_of(s):
+        if not g.dropout_rate:
+          return None
+        return dropout_keep(g, row_keys,
+                            dropout_col_keys(seed_ref, positions(bk, 1, s * bk)), 0)
+
+      def masked_probs(s, slot, scores, masked: bool):
+        """P from the scores of step ``s``, with the band's, the padding's and
+        the ids' zeros, and tanh of the soft cap (or None)."""
+        k_ids = kv_ids(slot, masked)
+        p, tanh = _probs(scores, row(lse2), g)
+        if masked:
+          qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
+          ok = keys < g.seq_k
+          if not g.band.is_full:
+            ok = ok & band_allowed(qrows, keys, g.band)
+          if g.segments:
+            ok = ok & (lax.broadcast_in_dim(q_ids, (bq, bk), [0]) ==
+                       lax.broadcast_in_dim(k_ids, (bq, bk), [1]))
+          p = jnp.where(ok, p, 0.0)
+        return p, tanh
+
       def step(s, acc, masked: bool):
         slot = lax.rem(s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
-        k_ids = kv_ids(slot, masked)
-        keep = None
-        if g.dropout_rate:
-          keep = dropout_keep(g, row_keys,
-                              dropout_col_keys(seed_ref, positions(bk, 1, s * bk)), 0)
+        keep = keep_of(s)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
           s_ref, dp_ref, acc_ref = refs
-          do_parts = _own_over_d(g, do_smem, wg)
-          for q_part, k_part in zip(_own_over_d(g, q_smem, wg),
-                                    _over_d(g, k_smem.at[slot])):
-            plgpu.wgmma(s_ref, q_part, compat.transpose_ref(k_part, (1, 0)))
-          for do_part, v_part in zip(do_parts, _over_d(g, v_smem.at[slot])):
-            plgpu.wgmma(dp_ref, do_part, compat.transpose_ref(v_part, (1, 0)))
-          # One wgmma group per part: S is done once dP's are all that is left.
-          p, tanh = _probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=len(do_parts)),
-                           row(lse2), g)
-          if masked:
-            qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
-            ok = keys < g.seq_k
-            if not g.band.is_full:
-              ok = ok & band_allowed(qrows, keys, g.band)
-            if g.segments:
-              ok = ok & (lax.broadcast_in_dim(q_ids, (bq, bk), [0]) ==
-                         lax.broadcast_in_dim(k_ids, (bq, bk), [1]))
-            p = jnp.where(ok, p, 0.0)
+          plgpu.wgmma(s_ref, q_smem.at[wg], compat.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(dp_ref, do_smem.at[wg], compat.transpose_ref(v_smem.at[slot], (1, 0)))
+          p, tanh = masked_probs(s, slot, plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                                 masked)
           dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
           plgpu.barrier_arrive(v_free.at[slot])
           ds = _dscores(p, _dropped(keep, dp, inv_keep), row(delta), tanh)
-          # The columns of K this warpgroup's dQ covers.
-          my_k = k_smem.at[slot, wg] if g.split_cols else k_smem.at[slot]
-          plgpu.wgmma(acc_ref, ds.astype(dtype), my_k)
+          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
 
         _, _, acc = pl.run_state(products)(
             (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk))),
@@ -640,22 +607,109 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
 
-      acc = zeros((bq, _cols(g)))
-      lax.fori_loop(lo_c, lo, skip, None)
-      acc = lax.fori_loop(lo, a, lambda s, c: step(s, c, True), acc)
-      acc = lax.fori_loop(a, bb, lambda s, c: step(s, c, False), acc)
-      acc = lax.fori_loop(bb, hi, lambda s, c: step(s, c, True), acc)
-      lax.fori_loop(hi, hi_c, skip, None)
+      def walk(body, acc):
+        """The band's phases: skip / masked / plain / masked / skip."""
+        lax.fori_loop(lo_c, lo, skip, None)
+        acc = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), acc)
+        acc = lax.fori_loop(a, bb, lambda s, c: body(s, c, False), acc)
+        acc = lax.fori_loop(bb, hi, lambda s, c: body(s, c, True), acc)
+        lax.fori_loop(hi, hi_c, skip, None)
+        return acc
 
-      _done_reading(g, meet)
-      my_q[...] = (acc * g.softmax_scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[_out_cols(g, rows, wg)])
-      plgpu.wait_smem_to_gmem(0)
+      def write(acc, smem_block, out_rows):
+        smem_block[...] = (acc * g.softmax_scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem_block, dq_ref.at[out_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+      if not roles:
+        plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.barrier_wait(do_bar.at[wg])
+        write(walk(step, zeros((bq, g.head_dim))), q_smem.at[wg], rows)
+        return
+
+      (p_smem, ds_smem), (p_full, p_free, ds_full, ds_free) = handover, handover_bars
+      half = g.head_dim // 2
+      # Both warpgroups walk the same range, with no skip steps: the P buffer
+      # of step s is (s - lo) % 2; dS has one buffer.
+      buffer = lambda s: lax.rem(s - lo, jnp.int32(2))
+
+      def p_step(s, acc, masked: bool):
+        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])  # V is warpgroup 1's
+
+        def s_product(s_ref):
+          for q_part, k_part in zip((q_smem.at[0], q_smem.at[1]),
+                                    _halves(k_smem.at[slot])):
+            plgpu.wgmma(s_ref, q_part, compat.transpose_ref(k_part, (1, 0)))
+          return s_ref[...]
+
+        scores = pl.run_scoped(s_product, plgpu.ACC((bq, bk), jnp.float32))
+        p, tanh = masked_probs(s, slot, scores, masked)
+        pl.when(s - lo >= 2)(lambda: plgpu.barrier_wait(p_free.at[buf]))
+        p_smem.at[buf][...] = _handover(p, tanh, keep_of(s)).astype(jnp.float16)
+        plgpu.barrier_arrive(p_full.at[buf])
+        plgpu.barrier_wait(ds_full.at[0])
+
+        def dq_product(acc_ref):
+          plgpu.wgmma(acc_ref, ds_smem, k_smem.at[slot, 0])
+
+        acc = pl.run_state(dq_product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(ds_free.at[0])
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc
+
+      def ds_step(s, acc, masked: bool):
+        del masked  # P arrives with its zeros
+        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def dp_product(dp_ref):
+          for do_part, v_part in zip((do_smem.at[0], do_smem.at[1]),
+                                     _halves(v_smem.at[slot])):
+            plgpu.wgmma(dp_ref, do_part, compat.transpose_ref(v_part, (1, 0)))
+          return dp_ref[...]
+
+        dp = pl.run_scoped(dp_product, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_wait(p_full.at[buf])
+        hand = p_smem.at[buf][...].astype(jnp.float32)
+        plgpu.barrier_arrive(p_free.at[buf])
+        ds = _dscores_from_handover(hand, dp, row(delta), g).astype(dtype)
+        pl.when(s - lo >= 1)(lambda: plgpu.barrier_wait(ds_free.at[0]))
+        ds_smem[...] = ds
+        # Warpgroup 0's wgmma reads dS through the async proxy.
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_full.at[0])
+
+        def dq_product(acc_ref):
+          plgpu.wgmma(acc_ref, ds, k_smem.at[slot, 1])
+
+        acc = pl.run_state(dq_product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc
+
+      @pl.when(wg == 0)
+      def _p():
+        plgpu.barrier_wait(q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[1])
+        # Q is read by this warpgroup only: its dQ half goes out through Q's.
+        write(walk(p_step, zeros((bq, half))), q_smem.at[0],
+              rows + (pl.ds(0, half),))
+
+      @pl.when(wg == 1)
+      def _ds():
+        plgpu.barrier_wait(do_bar.at[0])
+        plgpu.barrier_wait(do_bar.at[1])
+        write(walk(ds_step, zeros((bq, half))), do_smem.at[1],
+              rows + (pl.ds(half, half),))
 
     load_k, load_v = pipeline.kv_loader(
         g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
-        lax.div(h, jnp.int32(g.group)), copy=functools.partial(_copy_block, g))
+        lax.div(h, jnp.int32(g.group)),
+        copy=functools.partial(_copy_halves, g) if roles else pipeline.copy_block)
     if g.segments:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
       load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
@@ -664,16 +718,26 @@ def _dq_program(g: Geometry, dtype):
         lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k)), registers(g)[1]))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  # Two blocks of rows, or the two column halves of one; two-part slots with
+  # roles (two copies, so two arrivals per barrier).
+  cols = g.head_dim // 2 if roles else g.head_dim
+  slot = (stages, 2, bk, cols) if roles else (stages, bk, cols)
   smem = (
-      plgpu.SMEM((2, bq, _cols(g)), dtype, transforms=tiled),
-      plgpu.SMEM((2, bq, _cols(g)), dtype, transforms=tiled),
+      plgpu.SMEM((2, bq, cols), dtype, transforms=tiled),
+      plgpu.SMEM((2, bq, cols), dtype, transforms=tiled),
       plgpu.SMEM((2, _stat_rows(g), bq), jnp.float32),
-      _slots(g, stages, bk, dtype, tiled),
-      _slots(g, stages, bk, dtype, tiled),
+      plgpu.SMEM(slot, dtype, transforms=tiled),
+      plgpu.SMEM(slot, dtype, transforms=tiled),
   )
+  parts = 2 if roles else 1
   bars = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=2), _slot_barrier(g, stages),
-          _slot_barrier(g, stages)) + _meet_barrier(g)
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=parts, num_barriers=stages))
+  if roles:
+    smem += (plgpu.SMEM((2, bq, bk), jnp.float16, transforms=tiled),
+             plgpu.SMEM((bq, bk), dtype, transforms=tiled))
+    bars += tuple(plgpu.Barrier(num_barriers=n) for n in (2, 2, 1, 1))
   return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 
 

@@ -49,11 +49,12 @@ def ring_fill(step, num_stages: int, loads):
     load(slot)
 
 
-def _copy(ref, rows, slot, barrier):
+def copy_block(ref, rows, slot, barrier):
+  """Copies the block ``ref[rows]`` into ``slot`` by TMA, on ``barrier``."""
   plgpu.copy_gmem_to_smem(ref.at[rows], slot, barrier)
 
 
-def kv_loader(g, refs, smems, bars, b_idx, kv_head, copy=_copy):
+def kv_loader(g, refs, smems, bars, b_idx, kv_head, copy=copy_block):
   """``(load_k, load_v)``: each ``load(s, slot)`` copies block ``s`` (``g.block_kv``
   keys) of one (batch, kv head) of K or V into ``slot``, with its own barrier,
   by ``copy(ref, rows, slot, barrier)``."""
