@@ -22,7 +22,7 @@ import functools
 
 from ...common import autotune as common
 from ...common import configs
-from .config import (FULL_WIDTH_BWD_MAX_HEAD_DIM, MosaicConfig, from_json,
+from .config import (OWN_BLOCK_BWD_MAX_HEAD_DIM, MosaicConfig, from_json,
                      padded_head_dim, to_json, uses_mosaic_backward)
 
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
@@ -69,7 +69,7 @@ def backward_candidates(spec, best: MosaicConfig):
       return dataclasses.replace(best, **fields)
     return configs.with_part(best, kernel, **fields)
 
-  wide = padded_head_dim(spec) > FULL_WIDTH_BWD_MAX_HEAD_DIM
+  wide = padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM
   return [vary(kernel, fields) for kernel, fields in (BACKWARD_WIDE if wide else BACKWARD)]
 
 

@@ -27,9 +27,9 @@ class Geometry:
   keys per pipeline step; Sq padded to ``2 * block_q``, Sk to ``block_kv``.
   dK/dV kernel: ``block_kv`` keys per compute warpgroup (a CTA owns two),
   ``block_q`` rows per pipeline step; Sk padded to ``2 * block_kv``, Sq to
-  ``block_q``. D is padded to 64/128/256 in both. With ``split_cols`` (the
-  backward at D = 256) a CTA of the dQ or dK/dV kernel owns one block, which
-  both compute warpgroups share.
+  ``block_q``. D is padded to 64/128/256 in both. With ``shared_block`` (the
+  backward above D = 128) a CTA of the dQ or dK/dV kernel owns one block, which
+  both compute warpgroups share in two roles (bwd.py).
   """
 
   batch: int
@@ -72,15 +72,14 @@ class Geometry:
   k_at: tuple = (0, 0)
   v_at: tuple = (0, 0)
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
-  # or keys (dK/dV), each accumulating one half of the head dim's output
-  # columns. At D = 256 one warpgroup's dK and dV (or dQ) accumulators over the
-  # whole head dim would not fit in its registers.
-  split_cols: bool = False
+  # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
+  # registers hold one fp32 accumulator over the head dim, not two.
+  shared_block: bool = False
 
   @property
   def blocks_per_cta(self) -> int:
-    """Warpgroup blocks a CTA owns: two, or one shared with ``split_cols``."""
-    return 1 if self.split_cols else 2
+    """Warpgroup blocks a CTA owns: two, or one shared with ``shared_block``."""
+    return 1 if self.shared_block else 2
 
   @property
   def group(self) -> int:

@@ -25,6 +25,12 @@ dK and dV come out per query head; for grouped heads XLA sums each group.
 By default both kernels run as one launch (:func:`dq_dkv`): every dK/dV CTA, then
 every dQ CTA, so the two grids share one tail.
 
+Above D = 128 (``Geometry.shared_block``) one warpgroup's registers hold one
+64 x 256 fp32 accumulator but not two, so a CTA owns one block, which its two
+compute warpgroups share in two roles (see :func:`_dkv_program`,
+:func:`_dq_program`): one computes the probabilities and hands them over
+through shared memory, the other the dP side; no product is computed twice.
+
 dQ kernel: the forward's layout (two compute warpgroups of ``block_q`` rows, a
 memory warpgroup streaming K and V blocks), with S = Q K^T, P = exp2(S * scale *
 log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block.
@@ -151,10 +157,10 @@ def registers(g: Geometry) -> tuple[int, int]:
   spread on unchanged full-band calls was -0.3% to +0.7%, as large as the
   smaller gains. Windows and full-band calls with segment ids were not
   measured: windows follow causal, full-band calls keep 232. With
-  ``split_cols`` (D > 128) the dK/dV kernel's warpgroups each hold a 64 x 256
+  ``shared_block`` (D > 128) the dK/dV kernel's warpgroups each hold a 64 x 256
   fp32 accumulator: the wide split, and the dQ kernel follows it.
   """
-  wide = (g.head_dim == 128 and not g.band.is_full) or g.split_cols
+  wide = (g.head_dim == 128 and not g.band.is_full) or g.shared_block
   return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 
@@ -184,7 +190,7 @@ def _dkv_program(g: Geometry, dtype):
   (or None); ``seg``: the segment refs (kv ids, q ids, table), shared memory and
   barriers, or None.
 
-  With ``g.split_cols`` (D > 128) the two compute warpgroups share one block of
+  With ``g.shared_block`` (D > 128) the two compute warpgroups share one block of
   keys in two roles instead of owning one each: warpgroup 0 computes P^T and
   dV, warpgroup 1 dP^T, dS^T and dK, each over the whole head dim (one fp32
   accumulator of 64 x 256 fits a warpgroup's registers, two do not). P^T goes
@@ -192,7 +198,7 @@ def _dkv_program(g: Geometry, dtype):
   dropout's drops as its sign and the soft cap's factor folded in, so the
   tensor-core work is the plain kernel's, not computed twice."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
-  roles = g.split_cols
+  roles = g.shared_block
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
              seg, smem, bars, free):
@@ -494,13 +500,13 @@ def _dq_program(g: Geometry, dtype):
   head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
   :func:`_dkv_program` with q ids first.
 
-  With ``g.split_cols`` (D > 128) the two compute warpgroups share one block of
+  With ``g.shared_block`` (D > 128) the two compute warpgroups share one block of
   rows in two roles, as in the dK/dV kernel: warpgroup 0 computes P (handing it
   over as there) and the first half of dQ's columns, warpgroup 1 dP, dS (handed
   back through shared memory) and the second half. Blocks are held as two
   column halves (:func:`_slots`), the operands of the halves' products."""
   bq, bk, stages = g.block_q, g.block_kv, g.num_stages
-  roles = g.split_cols
+  roles = g.shared_block
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dq_ref, where, seg, smem,
              bars, free):

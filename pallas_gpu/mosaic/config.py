@@ -10,9 +10,9 @@ from ..triton.plan import TritonConfig
 
 HEAD_DIMS = (64, 128, 256)
 BACKWARD_KERNELS = ("mosaic", "triton")
-# Above this head dim the Mosaic backward's two compute warpgroups share one
-# block, each accumulating half of the output columns (blocks.Geometry.split_cols).
-FULL_WIDTH_BWD_MAX_HEAD_DIM = 128
+# Up to this head dim each compute warpgroup of the Mosaic backward owns a block;
+# above it the two share one in two roles (blocks.Geometry.shared_block).
+OWN_BLOCK_BWD_MAX_HEAD_DIM = 128
 BIAS_MAX_HEAD_DIM = 128
 
 
@@ -199,7 +199,7 @@ def split_backward_tiles(config: MosaicConfig) -> str | None:
   stage does not fit."""
   if (config.dq, config.dkv) == (MosaicDq(), MosaicDkv()):
     return None
-  return (f"above head dim {FULL_WIDTH_BWD_MAX_HEAD_DIM} the Mosaic backward's tiles "
+  return (f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM} the Mosaic backward's tiles "
           f"must be dq={MosaicDq()} and dkv={MosaicDkv()} (larger ones do not fit "
           f"shared memory), got dq={config.dq}, dkv={config.dkv}")
 

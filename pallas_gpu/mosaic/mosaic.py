@@ -1,9 +1,9 @@
 """Entry point of the Pallas Mosaic-GPU platform (Hopper).
 
 Forward: the warp-specialised kernel of fwd.py. Backward: the Mosaic-GPU
-dQ and dK/dV kernels of bwd.py for head dims up to 128 (at 256 the dK and
-dV register accumulators do not fit), Pallas-Triton's backward above that; both
-take this forward's output and lse. Segment ids narrow every kernel's walk to the
+dQ and dK/dV kernels of bwd.py (above head dim 128 with the two compute
+warpgroups of a CTA sharing one block in roles), on this forward's output and
+lse. Segment ids narrow every kernel's walk to the
 blocks the ids leave visible (common/segments.py). A bias or dense mask over
 whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
 blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
@@ -29,7 +29,7 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, FULL_WIDTH_BWD_MAX_HEAD_DIM,
+from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, OWN_BLOCK_BWD_MAX_HEAD_DIM,
                      HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      has_additive_tile, padded_head_dim, split_backward_tiles,
@@ -100,7 +100,7 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
       segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate,
-      split_cols=d > FULL_WIDTH_BWD_MAX_HEAD_DIM)
+      shared_block=d > OWN_BLOCK_BWD_MAX_HEAD_DIM)
   return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
                    **common),
           Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,
@@ -267,7 +267,7 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
     config = configs.with_part(config, "fwd", block_kv=BIAS_FORWARD.block_kv,
                                num_stages=BIAS_FORWARD.num_stages)
-  if (padded_head_dim(spec) > FULL_WIDTH_BWD_MAX_HEAD_DIM and
+  if (padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM and
       uses_mosaic_backward(spec, config) and split_backward_tiles(config)):
     if explicit:
       raise ValueError(split_backward_tiles(config))

@@ -1,7 +1,7 @@
 """Smoke check of the Mosaic-GPU platform on a Hopper GPU, independent of the
 conformance suite's machinery: relative error of out and lse against the fp32
 reference on a spread of shapes and features, and of dq/dk/dv on most of them
-(the Mosaic dK/dV kernel up to D = 128, Pallas-Triton's at 256).
+(the Mosaic backward, its warpgroups in roles at D = 256).
 
   pytest pallas_gpu/tests/mosaic_check_test.py   # on a Hopper GPU
 """
@@ -27,8 +27,8 @@ CASES = [
     dict(S=384, D=128, sinks=True, causal=True), dict(S=2048, D=128, causal=True, B=2),
     dict(S=200, D=64, sliding_window=(0, 0)),
     # Dropout: at D = 64 over 2304 keys the default persistent forward splits its
-    # last round by keys (the parts merged after); at D = 256 the Pallas-Triton
-    # backward hashes beside the Mosaic forward.
+    # last round by keys (the parts merged after); at D = 256 the backward's
+    # P warpgroups hash and hand the drops over as signs.
     dict(S=2304, D=64, dropout_rate=0.2, dropout_seed=7),
     dict(S=512, D=256, causal=True, dropout_rate=0.1, dropout_seed=3),
 ]

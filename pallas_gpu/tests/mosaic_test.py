@@ -47,9 +47,9 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
       dict(heads_q=4, heads_kv=1, logits_soft_cap=20.0),
       dict(segment_ids="packed", causal=True), dict(dropout_rate=0.2, causal=True),
       dict(head_dim=192, seq_q=170, seq_k=333)], ids=str)
-  def test_split_column_backward(self, kw):
-    """D > 128: the dQ and dK/dV kernels' warpgroups share one block, each
-    accumulating half of the output columns (blocks.Geometry.split_cols)."""
+  def test_shared_block_backward(self, kw):
+    """D > 128: the dQ and dK/dV kernels' warpgroups share one block in two
+    roles (blocks.Geometry.shared_block)."""
     kw = {**dict(batch=2, seq_q=256, seq_k=384, heads_q=2, heads_kv=2,
                  head_dim=256, seed=11), **kw}
     self.check(conformance.Case(**kw))
@@ -85,8 +85,8 @@ def test_cta_walks_hold_the_common_ranges_of_both_warpgroups(seq_q, seq_k, left,
         if hi > lo:
           assert tuple(int(x) for x in rng[w]) == (lo, a, b, hi)
         assert int(lo_c) <= int(rng[w][0]) <= int(rng[w][3]) <= int(hi_c) <= step
-  # Split columns (the backward at D > 128): both warpgroups own block `tile`.
-  g = dataclasses.replace(g, split_cols=True)
+  # A shared block (the backward above D = 128): both warpgroups own block `tile`.
+  g = dataclasses.replace(g, shared_block=True)
   for walk, own, tiles, rows in (
       (mosaic_blocks.cta_block_ranges, mosaic_blocks.wg_block_ranges, g.num_q_tiles,
        g.block_q),
@@ -214,9 +214,8 @@ VARIANTS = [
     dict(dropout=True, segment_ids=True, logits_soft_cap=20.0),
     dict(dropout=True, bias=True, causal=True),
     dict(dropout=True, head_dim=256, sliding_window=(64, 0)),
-    # D = 256: the backward's warpgroups share a block, each owning half of the
-    # output columns, in one launch or two, with grouped heads, segment ids and
-    # a soft cap.
+    # D = 256: the backward's warpgroups share a block in two roles, in one
+    # launch or two, with grouped heads, segment ids and a soft cap.
     dict(head_dim=256, causal=True, bwd_one_launch=False),
     dict(head_dim=256, seq_q=300, seq_k=200, heads_q=4, heads_kv=2,
          logits_soft_cap=20.0),
@@ -435,10 +434,10 @@ def test_backward_kernel_choice():
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded, g_dq.head_dim) == (384, 256, 128)
   assert (g_dkv.seq_q_padded, g_dkv.seq_k_padded) == (384, 256)
   assert (g_dq.block_q, g_dq.block_kv, g_dkv.block_q, g_dkv.block_kv) == (64, 64, 128, 64)
-  assert not (g_dq.split_cols or g_dkv.split_cols)
+  assert not (g_dq.shared_block or g_dkv.shared_block)
   assert (g_dq.num_q_tiles, g_dkv.num_kv_tiles) == (3, 2)
   g_dq, g_dkv = mosaic.backward_geometries(s(256), cfg)
-  assert g_dq.split_cols and g_dkv.split_cols
+  assert g_dq.shared_block and g_dkv.shared_block
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded) == (384, 256)
   assert (g_dq.num_q_tiles, g_dkv.num_kv_tiles) == (6, 4)
 
