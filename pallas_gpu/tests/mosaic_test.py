@@ -687,16 +687,16 @@ def test_blocks_between_documents_are_skipped(causal):
       head_dim=64)
 
 
-def _windows(seq_q, causal):
+def _windows(seq_q, causal, head_dim=128):
   """Operands as rows.Rows windows, as a ring hop passes them: q and dO rows
   ``[128, 128 + seq_q)`` of 512-row arrays, K and V batch entries ``[0, 2)``
   and ``[2, 4)`` of one buffer, at key rows ``[256, 512)``; with the spec and
   config of the windows' shapes."""
   from flashjax.common import rows
   ks = jax.random.split(jax.random.key(5), 4)
-  q_base, do_base = (jax.random.normal(k, (2, 512, 4, 128), jnp.bfloat16)
+  q_base, do_base = (jax.random.normal(k, (2, 512, 4, head_dim), jnp.bfloat16)
                      for k in ks[:2])
-  kv_base = jax.random.normal(ks[2], (4, 512, 2, 128), jnp.bfloat16)
+  kv_base = jax.random.normal(ks[2], (4, 512, 2, head_dim), jnp.bfloat16)
   q, do = (rows.Rows(x, 0, 2, 128, seq_q) for x in (q_base, do_base))
   k, v = rows.Rows(kv_base, 0, 2, 256, 256), rows.Rows(kv_base, 2, 2, 256, 256)
   ops, spec = spec_lib.canonicalize(*rows.materialize((q, k, v)), causal=causal)
@@ -740,13 +740,15 @@ def test_windows_are_read_in_place():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("seq_q,causal", [(256, True), (256, False), (200, True)])
-def test_windows_equal_their_slices(seq_q, causal):
+@pytest.mark.parametrize("seq_q,causal,head_dim", [
+    (256, True, 128), (256, False, 128), (200, True, 128), (256, True, 256)])
+def test_windows_equal_their_slices(seq_q, causal, head_dim):
   """Outputs, lse and gradients from windows read in place equal those of the
   same windows sliced out, bit for bit (the kernels run the same arithmetic),
-  and the reference's."""
+  and the reference's; at D = 256 through the backward's shared blocks, whose
+  copies take column halves of the windows."""
   from flashjax.common import reference, rows
-  ops, spec, static, do, dlse = _windows(seq_q, causal)
+  ops, spec, static, do, dlse = _windows(seq_q, causal, head_dim)
   run = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse))
   got = run(ops, do)
   want = run(*rows.materialize((ops, do)))
