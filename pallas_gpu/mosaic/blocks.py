@@ -71,6 +71,9 @@ class Geometry:
   q_at: tuple = (0, 0)
   k_at: tuple = (0, 0)
   v_at: tuple = (0, 0)
+  # Backward with an additive tile from a bias (not a mask alone): the dQ
+  # kernel writes dS for dbias.
+  bias_grad: bool = False
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
   # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
   # registers hold one fp32 accumulator over the head dim, not two.
@@ -103,6 +106,13 @@ class Geometry:
   @property
   def num_kv_tiles(self) -> int:
     return self.seq_k_padded // (self.blocks_per_cta * self.block_kv)
+
+
+def additive_tiling(dtype):
+  """Shared-memory transforms of an additive (bias / mask) tile: 128-byte
+  swizzled rows of 64 two-byte or 32 four-byte elements."""
+  item = jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
 
 
 def _window(ref, at, batch: int, rows: int):

@@ -61,16 +61,26 @@ from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
-from .blocks import (Geometry, cta_block_ranges, cta_q_ranges, dropout_col_keys,
-                     dropout_keep, dropout_keys_from_halves, positions, windows)
+from .blocks import (Geometry, additive_tiling, cta_block_ranges, cta_q_ranges,
+                     dropout_col_keys, dropout_keep, dropout_keys_from_halves,
+                     positions, windows)
 
 
-def _probs(scores, lse2, g: Geometry):
+def _probs(scores, lse2, g: Geometry, bias=None):
   """p = exp2(logits * log2(e) - lse2) from raw QK^T scores (``lse2`` already
-  broadcast), and tanh of the soft-capped logits for the chain rule (or None)."""
+  broadcast) and the additive tile ``bias`` (or None), logits being ``scale *
+  s + bias`` soft-capped as in the forward; and tanh of the soft cap for the
+  chain rule (or None)."""
+  if bias is not None:
+    bias = bias.astype(jnp.float32)
   if g.soft_cap is None:
-    return jnp.exp2(scores * (g.softmax_scale * LOG2E) - lse2), None
-  tanh = jnp.tanh(scores * (g.softmax_scale / g.soft_cap))
+    if bias is None:
+      return jnp.exp2(scores * (g.softmax_scale * LOG2E) - lse2), None
+    return jnp.exp2((scores * g.softmax_scale + bias) * LOG2E - lse2), None
+  logits = scores * g.softmax_scale
+  if bias is not None:
+    logits = logits + bias
+  tanh = jnp.tanh(logits * (1.0 / g.soft_cap))
   return jnp.exp2(tanh * (g.soft_cap * LOG2E) - lse2), tanh
 
 
@@ -199,14 +209,19 @@ def _dkv_program(g: Geometry, dtype):
   tensor-core work is the plain kernel's, not computed twice."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   roles = g.shared_block
+  additive = g.bias_dtype is not None
+  assert not (roles and additive), "an additive tile needs head dims <= 128"
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dk_ref, dv_ref, where,
-             seg, smem, bars, free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, bias_ref, dk_ref, dv_ref,
+             where, seg, smem, bars, free):
     q_free, do_free = free
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
-    q_smem, do_smem, st_smem, k_smem, v_smem, *handover = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar, *handover_bars = bars
+    q_smem, do_smem, st_smem, k_smem, v_smem, *extra = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar, *extra_bars = bars
+    handover, handover_bars = (extra, extra_bars) if roles else ((), ())
+    if additive:
+      (bias_smem,), (bias_bar,) = extra, extra_bars
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_q_ranges(g, tile, visible)
 
@@ -252,6 +267,14 @@ def _dkv_program(g: Geometry, dtype):
       def stat(slot, i):
         return compat.mgpu_load(st_smem.at[slot, i], plgpu.Layout.WGMMA.reduce(0))
 
+      def bias_tile_t(slot, load=True):
+        """This warpgroup's keys of the slot's transposed additive tile, or
+        None. Every step waits, so the barriers' phases stay in step."""
+        if not additive:
+          return None
+        plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
+        return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+
       def probs_t(s, slot, masked: bool):
         """P^T of step ``s`` with the band's and the ids' zeros, tanh of the
         soft cap (or None) and the dropout's keep mask (or None)."""
@@ -263,7 +286,7 @@ def _dkv_program(g: Geometry, dtype):
 
         st = pl.run_scoped(st_product, plgpu.ACC((bk, bq), jnp.float32))
         plgpu.barrier_wait(st_bar.at[slot])
-        pt, tanh = _probs(st, col(stat(slot, 0)), g)
+        pt, tanh = _probs(st, col(stat(slot, 0)), g, bias_tile_t(slot))
         keep = None
         if g.dropout_rate:
           keep = dropout_keep(g, _load_row_keys(st_smem.at[slot],
@@ -312,6 +335,7 @@ def _dkv_program(g: Geometry, dtype):
         for bar in (q_bar, st_bar, do_bar):
           plgpu.barrier_wait(bar.at[slot])
         q_ids(slot, False)
+        bias_tile_t(slot, False)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
@@ -413,7 +437,12 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(s * bq, bq)],
                                 qid_smem.at[slot], qid_bar.at[slot])
 
-    # dO is released after dV and dP^T, Q and the row stats after dK.
+    if additive:
+      load_q = _with_tile(load_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                          lambda w: pl.ds((tile * 2 + w) * bk, bk),
+                          lambda s: pl.ds(s * bq, bq))
+    # dO is released after dV and dP^T, Q, the row stats (and the transposed
+    # additive tile) after dK.
     pl.when(wg == 2)(lambda: pipeline.produce(
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q)), registers(g)[1]))
 
@@ -430,7 +459,33 @@ def _dkv_program(g: Geometry, dtype):
   if roles:
     smem += (plgpu.SMEM((2, bk, bq), jnp.float16, transforms=tiled),)
     bars += (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+  if additive:
+    smem += _tile_slots(g, stages, bk, bq)
+    bars += (plgpu.Barrier(num_barriers=2 * stages),)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
+
+
+def _tile_slots(g: Geometry, stages: int, own: int, streamed: int):
+  """Ring slots of the additive tile: per stage, the ``(own, streamed)`` tiles of
+  both warpgroups' blocks (rows by keys in dQ; keys by rows, transposed, in
+  dK/dV)."""
+  return (plgpu.SMEM((stages, 2, own, streamed), jnp.dtype(g.bias_dtype),
+                     transforms=additive_tiling(g.bias_dtype)),)
+
+
+def _with_tile(load, g: Geometry, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
+  """``load(s, slot)`` that also copies both warpgroups' tiles of the additive
+  operand (rows ``own_rows(w)``, columns ``streamed(s)``) into the slot, one
+  barrier per warpgroup."""
+  bi = b_idx if g.bias_batch else 0
+  hi = h if g.bias_heads else 0
+
+  def load_both(s, slot):
+    load(s, slot)
+    for w in (0, 1):
+      plgpu.copy_gmem_to_smem(tile_ref.at[bi, hi, own_rows(w), streamed(s)],
+                              smem.at[slot, w], bars.at[2 * slot + w])
+  return load_both
 
 
 def _free(stages: int):
@@ -459,19 +514,30 @@ def _dkv_ids(seg):
   return (seg[1], seg[0], seg[2]) if seg else ()
 
 
-def _inputs(refs, seed, g: Geometry):
-  """``(q, k, v, do, stats, seed or None)`` refs (q, K, V and dO as the windows
-  at ``g``'s offsets) and the rest."""
-  n = 6 if seed is not None else 5
+def _inputs(refs, seed, bias, g: Geometry):
+  """``(q, k, v, do, stats, seed or None, bias or None)`` refs (q, K, V and dO
+  as the windows at ``g``'s offsets) and the rest."""
+  n = 5 + (seed is not None) + (bias is not None)
   q, k, v, do = windows(g, *refs[:3], refs[3])
-  return (q, k, v, do) + tuple(refs[4:n]) + (None,) * (6 - n), refs[n:]
+  rest = list(refs[5:n])
+  seed_ref = rest.pop(0) if seed is not None else None
+  bias_ref = rest.pop(0) if bias is not None else None
+  return (q, k, v, do, refs[4], seed_ref, bias_ref), refs[n:]
 
 
-def _seed(seed):
-  return () if seed is None else (seed,)
+def _optional(*xs):
+  return tuple(x for x in xs if x is not None)
 
 
-def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
+def _ds_type(g: Geometry):
+  """dS for dbias, ``[B, Hq, Sqp, Skp]`` fp32, with a bias."""
+  if not g.bias_grad:
+    return ()
+  return (jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded, g.seq_k_padded),
+                               jnp.float32),)
+
+
+def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype; or
   larger arrays holding them at ``g.q_at`` (q and dO), ``g.k_at``, ``g.v_at``),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
@@ -479,20 +545,21 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
   visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
   (mosaic.segment_operands), or (); ``seed`` with dropout: the int32 words of
   ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
-  row's dropout key in two more rows. Returns ``dk, dv [B, Skp, Hq, D]`` per
-  query head (q's dtype)."""
+  row's dropout key in two more rows; ``bias`` with ``g.bias_dtype``: the
+  forward's additive tile transposed, ``[B|1, H|1, Skp, Sqp]``. Returns ``dk, dv
+  [B, Skp, Hq, D]`` per query head (q's dtype)."""
   scoped, kernel = _dkv_program(g, q.dtype)
   n = len(segments)
 
   def entry(*refs):
     where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
-    ins, rest = _inputs(refs, seed, g)
+    ins, rest = _inputs(refs, seed, bias, g)
     _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
                  (g.num_kv_tiles, g.heads_q, g.batch), ("kt", "h", "b"))(
-                     q, k, v, do, stats, *_seed(seed), *_dkv_ids(segments))
+                     q, k, v, do, stats, *_optional(seed, bias), *_dkv_ids(segments))
 
 
 def _dq_program(g: Geometry, dtype):
@@ -507,13 +574,19 @@ def _dq_program(g: Geometry, dtype):
   column halves (:func:`_slots`), the operands of the halves' products."""
   bq, bk, stages = g.block_q, g.block_kv, g.num_stages
   roles = g.shared_block
+  additive = g.bias_dtype is not None
+  assert not (roles and additive), "an additive tile needs head dims <= 128"
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, dq_ref, where, seg, smem,
-             bars, free):
+  def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, bias_ref, dq_ref, ds_ref,
+             where, seg, smem, bars, free):
     tile, h, b_idx = where
     wg = lax.axis_index("wg")
-    q_smem, do_smem, st_smem, k_smem, v_smem, *handover = smem
-    q_bar, do_bar, st_bar, k_bar, v_bar, *handover_bars = bars
+    q_smem, do_smem, st_smem, k_smem, v_smem, *extra = smem
+    q_bar, do_bar, st_bar, k_bar, v_bar, *extra_bars = bars
+    handover, handover_bars = (extra, extra_bars) if roles else ((), ())
+    if additive:
+      bias_smem, *ds_smem = extra
+      (bias_bar,) = extra_bars
     k_free, v_free = free
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_block_ranges(g, tile, visible)
@@ -558,17 +631,52 @@ def _dq_program(g: Geometry, dtype):
       zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32),
                                               plgpu.Layout.WGMMA)
 
+      def bias_tile(slot, load=True):
+        """This warpgroup's rows of the slot's additive tile, or None. Every
+        step waits, so the barriers' phases stay in step."""
+        if not additive:
+          return None
+        plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
+        return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+
+      def store_ds(s, ds):
+        """dS of step ``s`` (the logits' gradient) to its dbias tile, staged in
+        shared memory; the previous step's copy has read the stage by then."""
+        if ds_ref is None:
+          return
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        ds_smem[0].at[wg][...] = ds
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ds_smem[0].at[wg],
+                                ds_ref.at[b_idx, h, pl.ds(r0, bq), pl.ds(s * bk, bk)])
+
+      def zero_ds(lo, hi):
+        """Zeros to the dbias tiles of the blocks outside ``[lo, hi)``, which
+        this warpgroup's walk does not write."""
+        if ds_ref is None:
+          return
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        ds_smem[0].at[wg][...] = zeros((bq, bk))
+        plgpu.commit_smem()
+
+        def zero(j):
+          plgpu.copy_smem_to_gmem(ds_smem[0].at[wg],
+                                  ds_ref.at[b_idx, h, pl.ds(r0, bq), pl.ds(j * bk, bk)])
+        pl.loop(0, lo)(zero)
+        pl.loop(hi, g.seq_k_padded // bk)(zero)
+
       def keep_of(s):
         if not g.dropout_rate:
           return None
         return dropout_keep(g, row_keys,
                             dropout_col_keys(seed_ref, positions(bk, 1, s * bk)), 0)
 
-      def masked_probs(s, slot, scores, masked: bool):
-        """P from the scores of step ``s``, with the band's, the padding's and
-        the ids' zeros, and tanh of the soft cap (or None)."""
+      def masked_probs(s, slot, scores, masked: bool, bias=None):
+        """P from the scores of step ``s`` and the additive tile (or None), with
+        the band's, the padding's and the ids' zeros, and tanh of the soft cap
+        (or None)."""
         k_ids = kv_ids(slot, masked)
-        p, tanh = _probs(scores, row(lse2), g)
+        p, tanh = _probs(scores, row(lse2), g, bias)
         if masked:
           qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
           ok = keys < g.seq_k
@@ -585,6 +693,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         keep = keep_of(s)
+        bias = bias_tile(slot)
 
         def products(refs):
           # P is computed while dP (issued second) is still on the tensor cores.
@@ -592,11 +701,12 @@ def _dq_program(g: Geometry, dtype):
           plgpu.wgmma(s_ref, q_smem.at[wg], compat.transpose_ref(k_smem.at[slot], (1, 0)))
           plgpu.wgmma(dp_ref, do_smem.at[wg], compat.transpose_ref(v_smem.at[slot], (1, 0)))
           p, tanh = masked_probs(s, slot, plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
-                                 masked)
+                                 masked, bias)
           dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
           plgpu.barrier_arrive(v_free.at[slot])
           ds = _dscores(p, _dropped(keep, dp, inv_keep), row(delta), tanh)
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+          store_ds(s, ds)
 
         _, _, acc = pl.run_state(products)(
             (plgpu.ACC.init(zeros((bq, bk))), plgpu.ACC.init(zeros((bq, bk))),
@@ -609,6 +719,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         kv_ids(slot, False)
+        bias_tile(slot, False)
         plgpu.barrier_arrive(v_free.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
@@ -631,10 +742,12 @@ def _dq_program(g: Geometry, dtype):
       if not roles:
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(do_bar.at[wg])
-        write(walk(step, zeros((bq, g.head_dim))), q_smem.at[wg], rows)
+        acc = walk(step, zeros((bq, g.head_dim)))
+        zero_ds(lo, hi)
+        write(acc, q_smem.at[wg], rows)
         return
 
-      (p_smem, ds_smem), (p_full, p_free, ds_full, ds_free) = handover, handover_bars
+      (p_smem, ds_back), (p_full, p_free, ds_full, ds_free) = handover, handover_bars
       half = g.head_dim // 2
       # Both warpgroups walk the same range, with no skip steps: the P buffer
       # of step s is (s - lo) % 2; dS has one buffer.
@@ -659,7 +772,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_wait(ds_full.at[0])
 
         def dq_product(acc_ref):
-          plgpu.wgmma(acc_ref, ds_smem, k_smem.at[slot, 0])
+          plgpu.wgmma(acc_ref, ds_back, k_smem.at[slot, 0])
 
         acc = pl.run_state(dq_product)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(ds_free.at[0])
@@ -685,7 +798,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(p_free.at[buf])
         ds = _dscores_from_handover(hand, dp, row(delta), g).astype(dtype)
         pl.when(s - lo >= 1)(lambda: plgpu.barrier_wait(ds_free.at[0]))
-        ds_smem[...] = ds
+        ds_back[...] = ds
         # Warpgroup 0's wgmma reads dS through the async proxy.
         plgpu.commit_smem()
         plgpu.barrier_arrive(ds_full.at[0])
@@ -719,7 +832,12 @@ def _dq_program(g: Geometry, dtype):
     if g.segments:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
       load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
-    # V is released after S and dP, K after the dQ product.
+    if additive:
+      load_k = _with_tile(load_k, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                          lambda w: pl.ds((tile * 2 + w) * bq, bq),
+                          lambda s: pl.ds(s * bk, bk))
+    # V is released after S and dP, K (and the additive tile) after the dQ
+    # product.
     pl.when(wg == 2)(lambda: pipeline.produce(
         lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k)), registers(g)[1]))
 
@@ -744,6 +862,11 @@ def _dq_program(g: Geometry, dtype):
     smem += (plgpu.SMEM((2, bq, bk), jnp.float16, transforms=tiled),
              plgpu.SMEM((bq, bk), dtype, transforms=tiled))
     bars += tuple(plgpu.Barrier(num_barriers=n) for n in (2, 2, 1, 1))
+  if additive:
+    smem += _tile_slots(g, stages, bq, bk)
+    if g.bias_grad:  # one fp32 dS stage per warpgroup
+      smem += (plgpu.SMEM((2, bq, bk), jnp.float32, transforms=additive_tiling(jnp.float32)),)
+    bars += (plgpu.Barrier(num_barriers=2 * stages),)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 
 
@@ -752,32 +875,38 @@ def _dq_tile(g: Geometry, index):
   return (g.num_q_tiles - 1) - index
 
 
-def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None):
+def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
   block_q``, Sk to ``block_kv``); ``segments`` with the visible kv blocks per
-  warpgroup row block. Returns ``dq [B, Sqp, Hq, D]`` (q's dtype)."""
+  warpgroup row block; ``bias``: the additive tile ``[B|1, H|1, Sqp, Skp]``.
+  Returns ``dq [B, Sqp, Hq, D]`` (q's dtype) and, with ``g.bias_grad``, dS
+  ``[B, Hq, Sqp, Skp]`` fp32 (else None)."""
   scoped, kernel = _dq_program(g, q.dtype)
   n = len(segments)
 
   def entry(*refs):
     where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
              lax.axis_index("b"))
-    ins, rest = _inputs(refs, seed, g)
-    _run(kernel, scoped, ins, rest[n:], where, rest[:n])
+    ins, rest = _inputs(refs, seed, bias, g)
+    outs = rest[n:]
+    _run(kernel, scoped, ins, (outs[0], outs[1] if g.bias_grad else None), where,
+         rest[:n])
 
   q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
-  return _launch(entry, jax.ShapeDtypeStruct(q_shape, q.dtype),
-                 (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
-                     q, k, v, do, stats, *_seed(seed), *segments)
+  res = _launch(entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
+                (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
+                    q, k, v, do, stats, *_optional(seed, bias), *segments)
+  return res[0], (res[1] if g.bias_grad else None)
 
 
 def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
-           seg_dkv=(), seed=None):
+           seg_dkv=(), seed=None, bias=None, bias_t=None):
   """:func:`dq` and :func:`dkv` in one launch: every dK/dV CTA first (tiles
   fastest, so CTAs in flight share one head's Q and dO in L2), then every dQ CTA.
-  The two grids' tails become one, filled by the shorter dQ CTAs. Returns ``(dq,
-  dk, dv)``."""
-  assert (g_dq.batch, g_dq.heads_q) == (g_dkv.batch, g_dkv.heads_q)
+  The two grids' tails become one, filled by the shorter dQ CTAs. ``bias`` and
+  ``bias_t``: the additive tile and its transpose. Returns ``(dq, dk, dv, ds or
+  None)``."""
+  assert g_dq.batch == g_dkv.batch and g_dq.heads_q == g_dkv.heads_q
   # Both kernels read their operands through g_dq's windows (_inputs).
   same = lambda g: (g.q_at, g.k_at, g.v_at, g.seq_q_padded, g.seq_k_padded)
   assert same(g_dq) == same(g_dkv), (same(g_dq), same(g_dkv))
@@ -796,23 +925,29 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
 
   def entry(*refs):
     t = lax.axis_index("t")
-    ins, rest = _inputs(refs, seed, g_dq)
+    ins, rest = _inputs(refs, seed, bias, g_dq)
+    bias_t_ref = None
+    if bias_t is not None:
+      bias_t_ref, rest = rest[0], rest[1:]
     dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
-    dq_ref, dk_ref, dv_ref = rest[n1 + n2:]
+    dq_ref, dk_ref, dv_ref, *ds_ref = rest[n1 + n2:]
 
     @pl.when(t < first_dq)
     def _():
-      _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref), split(t, n_kv), dkv_seg)
+      _run(dkv_kernel, dkv_scoped, ins[:6] + (bias_t_ref,), (dk_ref, dv_ref),
+           split(t, n_kv), dkv_seg)
 
     @pl.when(t >= first_dq)
     def _():
       tile, h, b = split(t - first_dq, n_q)
-      _run(dq_kernel, dq_scoped, ins, (dq_ref,), (_dq_tile(g_dq, tile), h, b), dq_seg)
+      _run(dq_kernel, dq_scoped, ins, (dq_ref, ds_ref[0] if ds_ref else None),
+           (_dq_tile(g_dq, tile), h, b), dq_seg)
 
   kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
   q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
   out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
               jax.ShapeDtypeStruct(kv_shape, q.dtype),
-              jax.ShapeDtypeStruct(kv_shape, q.dtype))
-  return _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
-      q, k, v, do, stats, *_seed(seed), *seg_dq, *seg_dkv)
+              jax.ShapeDtypeStruct(kv_shape, q.dtype)) + _ds_type(g_dq)
+  res = _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
+      q, k, v, do, stats, *_optional(seed, bias, bias_t), *seg_dq, *seg_dkv)
+  return tuple(res[:3]) + (res[3] if g_dq.bias_grad else None,)

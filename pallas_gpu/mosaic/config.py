@@ -186,8 +186,7 @@ def default_config(spec) -> MosaicConfig:
 
 
 def has_additive_tile(spec) -> bool:
-  """A bias or dense mask: the forward streams one additive tile; the backward is
-  Pallas-Triton's."""
+  """A bias or dense mask: the kernels stream one additive tile."""
   return spec.bias_shape is not None or spec.mask_shape is not None
 
 
@@ -205,4 +204,6 @@ def split_backward_tiles(config: MosaicConfig) -> str | None:
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:
-  return config.backward_kernel == "mosaic" and not has_additive_tile(spec)
+  """Whether the Mosaic dQ and dK/dV kernels run (mosaic.backward also sends an
+  fp32 bias to Pallas-Triton's)."""
+  return config.backward_kernel == "mosaic"

@@ -58,7 +58,7 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, dropout_col_keys, dropout_keep, dropout_row_keys,
+from .blocks import (Geometry, additive_tiling, dropout_col_keys, dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                      unit_walk, windows)
 
@@ -362,10 +362,6 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
   n_in = len(segments) + (bias is not None) + (seed is not None)
 
-  if g.bias_dtype is not None:
-    # 128-byte swizzled rows: 64 two-byte or 32 four-byte elements per tile row.
-    item = jnp.dtype(g.bias_dtype).itemsize
-    bias_tiling = (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
 
   def entry(q_ref, k_ref, v_ref, *refs):
     q_ref, k_ref, v_ref, _ = windows(g, q_ref, k_ref, v_ref)
@@ -387,7 +383,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
                   ) if g.segments else ()
 
     bias_scoped = ((plgpu.SMEM((stages, 2, bq, bk), jnp.dtype(g.bias_dtype),
-                               transforms=bias_tiling),
+                               transforms=additive_tiling(g.bias_dtype)),
                     plgpu.Barrier(num_barriers=2 * stages))
                    if g.bias_dtype is not None else ())
 

@@ -195,9 +195,15 @@ def forward(ops, spec, static: platform.Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
+def _fp32_tile(ops) -> bool:
+  """An fp32 bias keeps the additive tile fp32, whose ring slots (with the dS
+  stage) do not fit the dQ kernel's shared memory beside its tiles."""
+  return ops.bias is not None and ops.bias.dtype == jnp.float32
+
+
 @rows.takes_rows
 def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
-  if not uses_mosaic_backward(spec, static.config):
+  if not uses_mosaic_backward(spec, static.config) or _fp32_tile(ops):
     ops, out, do = rows.materialize((ops, out, do))
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
                                   out, lse, do, dlse)
@@ -223,22 +229,36 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   g_dkv = dataclasses.replace(g_dkv, q_at=g_dq.q_at, k_at=g_dq.k_at, v_at=g_dq.v_at)
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
+  # The forward's additive tile: the dQ kernel streams it with K, the dK/dV
+  # kernel its transpose with Q (one XLA transpose: the dK/dV kernel's tiles are
+  # keys by rows).
+  g_dq, tile = additive_tile(ops, spec, g_dq)
+  tile_t = None
+  if tile is not None:
+    g_dq = dataclasses.replace(g_dq, bias_grad=ops.bias is not None)
+    g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
+                                bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
+    tile_t = jnp.swapaxes(tile, 2, 3)
   if static.config.bwd_one_launch:
-    dq, dk, dv = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv, seed)
+    dq, dk, dv, ds = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
+                                seed, tile, tile_t)
   else:
-    dq = bwd.dq(q, k, v, do, stats, g_dq, seg_dq, seed)
-    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed)
+    dq, ds = bwd.dq(q, k, v, do, stats, g_dq, seg_dq, seed, tile)
+    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed, tile_t)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
     dk, dv = group(dk), group(dv)
-  dsinks = None
+  dsinks = dbias = None
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
+  if ops.bias is not None:
+    dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)
   return spec_lib.Operands(
       q=dq[:, :spec.seq_q, :, :spec.head_dim],
       k=dk[:, :spec.seq_k, :, :spec.head_dim].astype(ops.k.dtype),
-      v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), sinks=dsinks)
+      v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), bias=dbias,
+      sinks=dsinks)
 
 
 def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:

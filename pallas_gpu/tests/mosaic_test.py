@@ -201,12 +201,12 @@ VARIANTS = [
                                                   heads_kv=2, bwd_one_launch=False),
     # Segment ids in all three kernels (ids and visible-block tables as operands).
     dict(segment_ids=True, causal=True), dict(segment_ids=True, bwd_one_launch=False),
-    # The forward's additive tile (the backward is Pallas-Triton's).
+    # The additive tile (bias and / or mask) in all three kernels.
     dict(bias=True, causal=True), dict(mask=True, logits_soft_cap=None, seq_q=200),
     dict(bias=True, mask=True, dtype="float16"),
     # Dropout in all three kernels (the row keys ride in the backward's stats),
     # with the persistent split tail, grouped heads and two launches, segment
-    # ids, and beside the additive tile (Pallas-Triton backward).
+    # ids, and beside the additive tile.
     dict(dropout=True, causal=True),
     dict(dropout=True, seq_q=2048, seq_k=2000, heads_q=20, heads_kv=4, split_tail=True),
     dict(dropout=True, seq_q=300, seq_k=200, heads_q=4, heads_kv=2,
@@ -252,7 +252,6 @@ def test_every_variant_lowers_for_cuda(variant):
     kw["dropout_rate"] = 0.2
   names = tuple(arrays)
   extra = tuple(arrays.values())
-  additive = "bias" in arrays or "mask" in arrays
 
   def features(values):
     f = dict(zip(names, values))
@@ -287,11 +286,10 @@ def test_every_variant_lowers_for_cuda(variant):
 
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
-  # Forward, dQ and dK/dV kernels (one launch or two); the Pallas-Triton
-  # backward with an additive tile.
+  # Forward, dQ and dK/dV kernels (one launch or two), with an additive tile
+  # too.
   mosaic_bwd_launches = 1 if one_launch else 2
-  assert text.count("custom_call @mosaic_gpu") == (
-      1 if additive else 1 + mosaic_bwd_launches)
+  assert text.count("custom_call @mosaic_gpu") == 1 + mosaic_bwd_launches
 
 
 @pytest.mark.parametrize("kw,head_dim,wide", [
