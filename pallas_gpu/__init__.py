@@ -1,7 +1,7 @@
 """Pallas GPU kernels in two subpackages: ``triton`` (Pallas lowered through Triton,
 entry ``triton/pallas_triton.py``: the whole contract, forward and backward) and
 ``mosaic`` (Mosaic-GPU for Hopper, entry ``mosaic/mosaic.py``: a warp-specialised
-forward and its own dQ and dK/dV backward kernels; a bias or mask, or
+forward and its own dQ and dK/dV backward kernels; an fp32 bias, or
 ``MosaicConfig(backward_kernel="triton")``, take the Pallas-Triton backward).
 What both forwards share lives here: the split of the last wave along the keys
 (``split_tail.py``, no kernel) and the kernel that merges its parts

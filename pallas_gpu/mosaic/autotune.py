@@ -12,7 +12,7 @@ Later calls, in this process or another, read the cache. The cache lives in
 keys start with ``mosaic|``, so the file can be shared with the other platforms).
 
 Only the Mosaic fields are tuned and cached; where the Pallas-Triton backward
-runs (a bias or mask), its tiles are resolved by that platform's own tuning.
+runs (an fp32 bias), its tiles are resolved by that platform's own tuning.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import functools
 
 from ...common import autotune as common
 from ...common import configs
-from .config import (OWN_BLOCK_BWD_MAX_HEAD_DIM, MosaicConfig, from_json,
-                     padded_head_dim, to_json, uses_mosaic_backward)
+from .config import (MosaicConfig, fixed_backward_tiles, from_json, padded_head_dim,
+                     to_json, uses_mosaic_backward)
 
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
 # shared memory (D = 256 leaves room for 64-key blocks in two stages only).
@@ -42,9 +42,9 @@ LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
 BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
             ("dkv", dict(num_stages=3)), ("dkv", dict(block_q=128)),
             ("", dict(bwd_one_launch=False)))
-# Above D = 128 the default tiles fill shared memory (config.split_backward_tiles):
-# only the launch varies.
-BACKWARD_WIDE = (("", dict(bwd_one_launch=False)),)
+# Above D = 128 or with an additive tile the default tiles fill shared memory
+# (config.fixed_backward_tiles): only the launch varies.
+BACKWARD_FIXED = (("", dict(bwd_one_launch=False)),)
 
 
 CACHE = common.JsonCache("pallas_mosaic_gpu", to_json,
@@ -69,8 +69,8 @@ def backward_candidates(spec, best: MosaicConfig):
       return dataclasses.replace(best, **fields)
     return configs.with_part(best, kernel, **fields)
 
-  wide = padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM
-  return [vary(kernel, fields) for kernel, fields in (BACKWARD_WIDE if wide else BACKWARD)]
+  fixed = fixed_backward_tiles(spec) is not None
+  return [vary(kernel, fields) for kernel, fields in (BACKWARD_FIXED if fixed else BACKWARD)]
 
 
 TUNER = common.Tuner(CACHE, lambda spec: (

@@ -122,7 +122,8 @@ class MosaicConfig:
     dq: the dQ kernel (:class:`MosaicDq`).
     dkv: the dK/dV kernel (:class:`MosaicDkv`).
     backward_kernel: "mosaic" (the Mosaic-GPU dQ and dK/dV kernels; above
-      D = 128 with the default tiles only, see :func:`split_backward_tiles`)
+      D = 128 or with a bias or mask, the default tiles only, see
+      :func:`fixed_backward_tiles`)
       or "triton" (Pallas-Triton's backward).
     bwd_one_launch: run the dQ and dK/dV kernels as one launch (one grid tail
       instead of two) rather than one after the other.
@@ -190,17 +191,29 @@ def has_additive_tile(spec) -> bool:
   return spec.bias_shape is not None or spec.mask_shape is not None
 
 
-def split_backward_tiles(config: MosaicConfig) -> str | None:
-  """Why ``config``'s backward tiles do not fit shared memory above D = 128, or
-  None. There a dQ CTA holds its 64 rows of Q and dO and two stages of 64-key K
-  and V blocks, a dK/dV CTA its 64 keys of K and V and two stages of 64-row Q
-  and dO blocks: 192 KiB of the 227 at D = 256, so any larger block or a third
-  stage does not fit."""
-  if (config.dq, config.dkv) == (MosaicDq(), MosaicDkv()):
+def fixed_backward_tiles(spec) -> str | None:
+  """Why the Mosaic backward's tiles must be the defaults for ``spec``, or None.
+  Above D = 128 a dQ CTA holds its 64 rows of Q and dO and two stages of 64-key
+  K and V blocks, a dK/dV CTA its 64 keys of K and V and two stages of 64-row Q
+  and dO blocks: 192 KiB of the 227 at D = 256. With an additive tile the dQ
+  kernel holds two stages of its 64 x 64 tiles and a fp32 dS stage beside its
+  D = 128 blocks (193 KiB). Any larger block or a third stage does not fit."""
+  if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
+    return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
+  if has_additive_tile(spec):
+    return "with a bias or mask"
+  return None
+
+
+def backward_tiles_error(spec, config: MosaicConfig) -> str | None:
+  """The error for ``config``'s backward tiles where :func:`fixed_backward_tiles`
+  applies and they are not the defaults, or None."""
+  why = fixed_backward_tiles(spec)
+  if why is None or (config.dq, config.dkv) == (MosaicDq(), MosaicDkv()):
     return None
-  return (f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM} the Mosaic backward's tiles "
-          f"must be dq={MosaicDq()} and dkv={MosaicDkv()} (larger ones do not fit "
-          f"shared memory), got dq={config.dq}, dkv={config.dkv}")
+  return (f"{why} the Mosaic backward's tiles must be dq={MosaicDq()} and "
+          f"dkv={MosaicDkv()} (larger ones do not fit shared memory), got "
+          f"dq={config.dq}, dkv={config.dkv}")
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:

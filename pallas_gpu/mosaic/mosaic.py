@@ -5,9 +5,10 @@ dQ and dK/dV kernels of bwd.py (above head dim 128 with the two compute
 warpgroups of a CTA sharing one block in roles), on this forward's output and
 lse. Segment ids narrow every kernel's walk to the
 blocks the ids leave visible (common/segments.py). A bias or dense mask over
-whole ``[Sq, Sk]`` slices runs in the forward as one additive tile (64-key
-blocks, head dims up to 128), with Pallas-Triton's backward (which also gives
-dbias). Dropout runs in all three kernels, each hashing the global coordinates
+whole ``[Sq, Sk]`` slices runs as one additive tile (head dims up to 128): the
+forward streams it with K (64-key blocks), the dQ kernel too, writing dS for
+dbias, and the dK/dV kernel its transpose with Q; an fp32 bias, whose tile
+stays fp32, takes Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the global coordinates
 of its tiles with common/dropout.py (the backward's row keys come with the
 row stats). Features the kernels lack (fp32, a bias or mask broadcast along Sq
 or Sk or with head dims over 128, a mask with a soft cap) raise
@@ -32,7 +33,7 @@ from .blocks import Geometry, dropout_key_halves, dropout_row_keys
 from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, OWN_BLOCK_BWD_MAX_HEAD_DIM,
                      HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
-                     has_additive_tile, padded_head_dim, split_backward_tiles,
+                     backward_tiles_error, has_additive_tile, padded_head_dim,
                      uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
@@ -287,12 +288,11 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
                        f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
     config = configs.with_part(config, "fwd", block_kv=BIAS_FORWARD.block_kv,
                                num_stages=BIAS_FORWARD.num_stages)
-  if (padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM and
-      uses_mosaic_backward(spec, config) and split_backward_tiles(config)):
+  if uses_mosaic_backward(spec, config) and backward_tiles_error(spec, config):
     if explicit:
-      raise ValueError(split_backward_tiles(config))
+      raise ValueError(backward_tiles_error(spec, config))
     config = dataclasses.replace(config, dq=MosaicDq(), dkv=MosaicDkv())
-  # The Pallas-Triton backward's tiles (a bias or mask) travel in the config.
+  # The Pallas-Triton backward's tiles (an fp32 bias) travel in the config.
   config = dataclasses.replace(config, backward=config.backward or
                                pallas_triton.resolve_config(spec, None, False))
   return vjp.attention(forward, backward, ops, spec, platform.Static(config),

@@ -406,19 +406,26 @@ def test_config_validation():
   for cls, kw, match in bad:
     with pytest.raises(ValueError, match=match):
       cls(**kw)
-  # Above D = 128 the backward's tiles must be the defaults (mosaic.py raises
-  # this for an explicit config and resets a cached one).
+  # Above D = 128 or with a bias or mask the backward's tiles must be the
+  # defaults (mosaic.py raises this for an explicit config and resets a cached
+  # one).
   from flashjax.pallas_gpu.mosaic import config as mosaic_config
-  assert mosaic_config.split_backward_tiles(mosaic.MosaicConfig()) is None
-  why = mosaic_config.split_backward_tiles(
-      mosaic.MosaicConfig(dq=mosaic.MosaicDq(block_kv=128)))
-  assert "above head dim 128" in why and "got dq=MosaicDq(block_q=64, block_kv=128" in why
+  spec = lambda d, **kw: spec_lib.abstract_spec(batch=1, seq_q=256, seq_k=256,
+                                                heads_q=2, head_dim=d, **kw)
+  big = mosaic.MosaicConfig(dq=mosaic.MosaicDq(block_kv=128))
+  for s, why in ((spec(256), "above head dim 128"),
+                 (spec(64, bias=jax.ShapeDtypeStruct((1, 2, 256, 256), jnp.bfloat16)),
+                  "with a bias or mask")):
+    assert mosaic_config.backward_tiles_error(s, mosaic.MosaicConfig()) is None
+    msg = mosaic_config.backward_tiles_error(s, big)
+    assert msg.startswith(why) and "got dq=MosaicDq(block_q=64, block_kv=128" in msg
+  assert mosaic_config.backward_tiles_error(spec(128), big) is None
 
 
 def test_backward_kernel_choice():
-  """Mosaic backward unless the config asks for Pallas-Triton's (or the call has
-  a bias or mask); both backward kernels share one padding of Sq and Sk; above
-  D = 128 their warpgroups split the output columns."""
+  """Mosaic backward unless the config asks for Pallas-Triton's (mosaic.backward
+  also sends an fp32 bias there); both backward kernels share one padding of Sq
+  and Sk; above D = 128 their warpgroups share one block."""
   s = lambda d, **kw: spec_lib.abstract_spec(batch=1, seq_q=300, seq_k=200, heads_q=2,
                                              head_dim=d, dtype="bfloat16", **kw)
   cfg = mosaic.MosaicConfig()
@@ -534,7 +541,12 @@ def test_autotune_candidates_are_valid_per_head_dim():
     # Above D = 128 only the launch varies: larger tiles do not fit.
     bwd = mosaic_autotune.backward_candidates(s, base)
     assert len(bwd) == (5 if d <= 128 else 1)
-    if d > 128:
+    if d > 128 or d == 64:
+      s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=1024, heads_q=4,
+                                 head_dim=d, dtype="bfloat16",
+                                 mask=jax.ShapeDtypeStruct((1, 1, 1024, 1024), jnp.bool_))
+      bwd = mosaic_autotune.backward_candidates(s, mosaic.default_config(s))
+      assert len(bwd) == 1
       assert (bwd[0].dq, bwd[0].dkv) == (mosaic.MosaicDq(), mosaic.MosaicDkv())
 
 
