@@ -32,7 +32,7 @@ def config(text) -> mosaic.MosaicConfig:
   for item in ([] if text == "-" else text.split(",")):
     name, value = item.split("=")
     kernel, _, field = name.rpartition(".")
-    if field in ("persistent", "bwd_one_launch", "split_tail"):
+    if field in ("persistent", "bwd_one_launch", "split_tail", "balanced"):
       value = bool(int(value))
     elif field != "backward_kernel":
       value = int(value)

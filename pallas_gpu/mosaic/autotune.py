@@ -36,7 +36,8 @@ FORWARD = {
 }
 # The split tail applies to persistent full-band launches only (blocks.py).
 LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
-          dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False))
+          dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False),
+          dict(persistent=True, balanced=False))
 # Backward variants of the forward winner: (kernel, fields), kernel "" for the
 # config's own fields.
 BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),

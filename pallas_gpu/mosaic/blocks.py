@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -50,6 +51,9 @@ class Geometry:
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
+  # Persistent forward over a causal or window band: each CTA walks the tiles
+  # balanced_order gives it (longest first across CTAs) instead of every n-th.
+  balanced: bool = False
   # Persistent full-band forward: run the last, partial round of tiles as key
   # ranges (split_tail.py) where the plan says it pays.
   split_tail: bool = False
@@ -208,6 +212,41 @@ def tail_plan(g: Geometry) -> split_tail.Tail | None:
   if not (g.split_tail and g.persistent_ctas and g.band.is_full):
     return None
   return split_tail.plan(g.num_tiles, g.num_ctas, g.seq_k_padded // g.block_kv)
+
+
+BALANCE_STEP_OVERHEAD = 1.0  # a tile's fixed cost, in kv steps
+
+
+def balanced_order(g: Geometry):
+  """The persistent forward's tiles per CTA, ``[num_ctas, 2 + n]`` int32 (host
+  numpy): row ``c`` holds CTA ``c``'s tile count, then its tiles (indices for
+  :func:`tile_coords`) in increasing order, padded with 0. Tiles go longest
+  first to the least loaded CTA (a tile's cost: its walk's kv steps plus
+  ``BALANCE_STEP_OVERHEAD``), so uneven band tiles end together; in increasing
+  order each CTA moves through the heads as the others do, sharing K and V in
+  L2."""
+  import heapq
+  import numpy as np
+  steps = []
+  with jax.ensure_compile_time_eval():  # host ints, also while a call is traced
+    for tile in range(g.num_q_tiles):
+      _, lo_c, hi_c = cta_block_ranges(g, tile)
+      steps.append(int(hi_c) - int(lo_c))
+  # t -> its q tile: tile_coords' reversed q tiles, fastest.
+  cost = [steps[(g.num_q_tiles - 1) - t % g.num_q_tiles] + BALANCE_STEP_OVERHEAD
+          for t in range(g.num_tiles)]
+  heap = [(0.0, c) for c in range(g.num_ctas)]
+  mine = [[] for _ in range(g.num_ctas)]
+  for t in sorted(range(g.num_tiles), key=lambda t: -cost[t]):
+    load, c = heapq.heappop(heap)
+    mine[c].append(t)
+    heapq.heappush(heap, (load + cost[t], c))
+  width = max(len(m) for m in mine)
+  table = np.zeros((g.num_ctas, 2 + width), np.int32)
+  for c, m in enumerate(mine):
+    table[c, 0] = len(m)
+    table[c, 1:1 + len(m)] = sorted(m)
+  return table
 
 
 def num_units(g: Geometry) -> int:

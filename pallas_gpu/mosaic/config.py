@@ -41,11 +41,13 @@ class MosaicForward:
     block_kv: keys per pipeline step.
     num_stages: K/V shared-memory slots in flight.
     persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
-      (False), or None: persistent unless the band is causal or a window or the
-      call has segment ids (uneven tiles balance better on the hardware
-      scheduler). Rows packed with documents of one length run faster
-      persistent (full band, H200: 8 x 2048 458 against 483 us, 32 x 512 155
-      against 178), rows of mixed lengths slower (1646 against 1239).
+      (False), or None: persistent for the full band without segment ids, and
+      for a causal band (no left edge, no ids) of short tiles, ``seq_k * D <=
+      BALANCED_MAX_KEYS_TIMES_DIM``, walked in balanced order; otherwise one
+      CTA per tile (uneven tiles balance better on the hardware scheduler).
+      Rows packed with documents of one length run faster persistent (full
+      band, H200: 8 x 2048 458 against 483 us, 32 x 512 155 against 178), rows
+      of mixed lengths slower (1646 against 1239).
     split_tail: the persistent forward runs its last, partial round of q tiles
       as key ranges merged by a small second kernel (pallas_gpu/tail_merge.py); applies to
       the full band only, where the plan finds a split that pays. The default
@@ -53,6 +55,14 @@ class MosaicForward:
       (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward
       4.8% faster; at D = 128 it was 1.1% faster at B2 S8k but 1.4% slower at
       B8 S2k and mixed at B1 S16k, so it stays off there.
+    balanced: whether a persistent launch over a causal or window band
+      (without segment ids) walks the tiles of blocks.balanced_order, longest
+      first to the least loaded CTA, instead of every ``num_ctas``-th tile,
+      whose uneven walks leave CTAs idle (None: it does). On an H200
+      (2026-11-26, causal forward, against one CTA per tile): D = 128 B16 S1k
+      13% faster, B8 S2k 8%, D = 64 B2 S8k H32 5%; but D = 128 B2 S8k 3%
+      slower, B1 S16k 11%, GQA 32:8 B2 S8k 1%, D = 256 B2 S8k 1% (every
+      ``num_ctas``-th tile: 5-34% slower everywhere).
   """
 
   block_q: int = 64
@@ -60,6 +70,7 @@ class MosaicForward:
   num_stages: int = 2
   persistent: bool | None = None
   split_tail: bool = False
+  balanced: bool | None = None
 
   def __post_init__(self):
     _check_in(type(self), "block_q", self.block_q, WGMMA_M, " (one wgmma M tile)")
@@ -71,7 +82,16 @@ class MosaicForward:
     if not isinstance(self.split_tail, bool):
       raise ValueError(f"MosaicForward: split_tail must be a bool, got "
                        f"{self.split_tail!r}")
+    if self.balanced is not None and not isinstance(self.balanced, bool):
+      raise ValueError(f"MosaicForward: balanced must be None or a bool, got "
+                       f"{self.balanced!r}")
 
+
+# The default persistent, balanced causal forward's reach (MosaicForward.persistent):
+# on an H200 it paid up to seq_k 2048 at D = 128 and 8192 at D = 64, and lost at
+# 8192 with D = 128 and at D = 256 (2026-11-26). D = 128 at 4096 and D = 256 at
+# 2048 fall inside unmeasured.
+BALANCED_MAX_KEYS_TIMES_DIM = 8192 * 64
 
 # The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
 # blocks in two stages beside it in shared memory.

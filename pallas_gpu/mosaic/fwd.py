@@ -58,7 +58,7 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, additive_tiling, dropout_col_keys, dropout_keep, dropout_row_keys,
+from .blocks import (Geometry, additive_tiling, balanced_order, dropout_col_keys, dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                      unit_walk, windows)
 
@@ -95,11 +95,16 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   separate_o = separate_out_smem(g)
   tail = tail_plan(g)
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
-             bars, free, sched):
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, order_ref,
+             smem, bars, free, sched):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
+    if g.balanced:  # blocks.balanced_order's row: the count, then the tiles
+      n_local = order_ref[cta, 0]
+      unit = lambda it: order_ref[cta, 1 + it]
+    else:
+      n_local = tiles_of_cta(g, cta)  # at least one: ctas <= tiles
+      unit = lambda it: cta + it * ctas
     q_smem, k_smem, v_smem, lse_smem, *o_smem = smem
     k_bar, v_bar, q_bar = bars
     k_free, v_free = free
@@ -132,10 +137,10 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
                                   qid_bar.at[wg])
 
-      load_q(cta)
+      load_q(unit(0))
 
       def tile_body(it, base):
-        u = cta + it * ctas
+        u = unit(it)
         t, whole, part, ranges, lo_c, hi_c = unit_walk(g, u, visible)
         b_idx, h, tile, r0 = rows_of(t)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
@@ -276,7 +281,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
         has_next = it + 1 < n_local
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue
-          pl.when(has_next)(lambda: load_q(u + ctas))
+          pl.when(has_next)(lambda: load_q(unit(it + 1)))
         has = l > 0.0
         inv = dropout.keep_scale(g.dropout_rate) / jnp.where(has, l, 1.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -318,7 +323,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           pl.when(jnp.logical_not(whole))(store_part)
         if not separate_o:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(has_next)(lambda: load_q(u + ctas))
+          pl.when(has_next)(lambda: load_q(unit(it + 1)))
         return base + (hi_c - lo_c)
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
@@ -329,7 +334,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
       plgpu.set_max_registers(pipeline.REGISTERS[1], action="decrease")
 
       def tile_body(it, base):
-        t, _, _, _, lo_c, hi_c = unit_walk(g, cta + it * ctas, visible)
+        t, _, _, _, lo_c, hi_c = unit_walk(g, unit(it), visible)
         b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
@@ -360,14 +365,16 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  n_in = len(segments) + (bias is not None) + (seed is not None)
+  order = jnp.asarray(balanced_order(g)) if g.balanced else None
+  n_in = len(segments) + (bias is not None) + (seed is not None) + (order is not None)
 
 
   def entry(q_ref, k_ref, v_ref, *refs):
     q_ref, k_ref, v_ref, _ = windows(g, q_ref, k_ref, v_ref)
     seg_refs, (o_ref, lse_ref, *parts) = refs[:len(segments)], refs[n_in:]
     bias_ref = refs[len(segments)] if bias is not None else None
-    seed_ref = refs[n_in - 1] if seed is not None else None
+    seed_ref = refs[len(segments) + (bias is not None)] if seed is not None else None
+    order_ref = refs[n_in - 1] if order is not None else None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=tiled),
@@ -393,8 +400,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         seg, extra = (seg_refs,) + tuple(extra[:2]), extra[2:]
       if g.bias_dtype is not None:
         add = (bias_ref,) + tuple(extra[:2])
-      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, smem,
-             bars, free, sched)
+      kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, order_ref,
+             smem, bars, free, sched)
 
     pl.run_scoped(scoped_kernel, smem, bars, free, plgpu.Barrier(num_arrivals=2),
                   *seg_scoped, *bias_scoped, collective_axes="wg")
@@ -410,7 +417,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, *segments, *(() if bias is None else (bias,)),
-    *(() if seed is None else (seed,)))
+    *(() if seed is None else (seed,)), *(() if order is None else (order,)))
   if tail is None:
     return outs
   out, lse, o_hi, o_lo, lse_part = outs

@@ -30,7 +30,7 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BIAS_FORWARD, BIAS_MAX_HEAD_DIM, OWN_BLOCK_BWD_MAX_HEAD_DIM,
+from .config import (BALANCED_MAX_KEYS_TIMES_DIM, BIAS_FORWARD, BIAS_MAX_HEAD_DIM, OWN_BLOCK_BWD_MAX_HEAD_DIM,
                      HEAD_DIMS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      backward_tiles_error, has_additive_tile, padded_head_dim,
@@ -74,6 +74,13 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
     # 483 / 178 on 8 x 2048 / 32 x 512 (docs/reports/
     # 2026-11-24-h200-segment-ids-overhead.txt). Equal documents may ask for it.
     persistent = spec.band.is_full and not spec.has_segment_ids
+    # Short causal tiles: the hardware scheduler's start-up per CTA costs more
+    # than a persistent launch's imbalance, once balanced (MosaicForward).
+    persistent = persistent or (
+        spec.band.causal and spec.band.left is None and not spec.has_segment_ids and
+        spec.seq_k * d <= BALANCED_MAX_KEYS_TIMES_DIM)
+  balanced = (persistent and not spec.band.is_full and not spec.has_segment_ids and
+              fwd.balanced is not False)
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=blocking.round_up(spec.seq_q, tile),
@@ -83,6 +90,7 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       block_q=fwd.block_q, block_kv=fwd.block_kv, num_stages=fwd.num_stages,
       dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
       split_tail=fwd.split_tail and not spec.has_segment_ids,
+      balanced=balanced,
       segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate)
 
 

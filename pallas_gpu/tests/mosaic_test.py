@@ -163,6 +163,60 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
   assert len(seen) == len(expected) and set(seen) == expected
 
 
+@pytest.mark.parametrize("batch,heads,seq,window", [
+    (8, 16, 2048, None), (1, 16, 16384, None), (2, 3, 1000, None), (1, 2, 4096, 300)])
+def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, window):
+  """blocks.balanced_order: every tile once, each CTA's in increasing order,
+  and no CTA's load (kv steps plus the per-tile overhead) above the least
+  loaded one's by more than one tile's."""
+  kw = dict(causal=True) if window is None else dict(sliding_window=(window, 0))
+  s = spec_lib.abstract_spec(batch=batch, seq_q=seq, seq_k=seq, heads_q=heads,
+                             head_dim=128, **kw)
+  cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(persistent=True))
+  g = dataclasses.replace(mosaic.geometry(s, cfg), persistent_ctas=132)
+  assert g.balanced
+  table = mosaic_blocks.balanced_order(g)
+  assert table.shape[0] == g.num_ctas
+  steps = {}
+  for tile in range(g.num_q_tiles):
+    _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile)
+    steps[tile] = int(hi_c) - int(lo_c)
+  cost = lambda t: steps[int(mosaic_blocks.tile_coords(g, int(t))[2])] + (
+      mosaic_blocks.BALANCE_STEP_OVERHEAD)
+  seen, loads = [], []
+  for row in table:
+    tiles = list(row[1:1 + row[0]])
+    assert tiles == sorted(tiles)
+    seen += tiles
+    loads.append(sum(cost(t) for t in tiles))
+  assert sorted(seen) == list(range(g.num_tiles))
+  assert max(loads) - min(loads) <= max(cost(t) for t in range(g.num_tiles))
+
+
+def test_launch_defaults():
+  """Persistent for the full band without ids; persistent and balanced for a
+  causal band of short tiles (seq_k * D up to 8192 * 64); one CTA per tile for
+  long causal bands, windows and segment ids."""
+  def geometry(seq, d, **kw):
+    s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=2, head_dim=d,
+                               **kw)
+    g = mosaic.geometry(s, mosaic.default_config(s))
+    return bool(g.persistent_ctas), g.balanced
+  ids = (jax.ShapeDtypeStruct((1, 2048), jnp.int32),) * 2
+  assert geometry(2048, 128) == (True, False)
+  assert geometry(2048, 128, causal=True) == (True, True)
+  assert geometry(8192, 64, causal=True) == (True, True)
+  assert geometry(8192, 128, causal=True) == (False, False)
+  assert geometry(2048, 256, causal=True) == (True, True)
+  assert geometry(2048, 128, sliding_window=(256, 0)) == (False, False)
+  assert geometry(2048, 128, causal=True, segment_ids=ids) == (False, False)
+  s = spec_lib.abstract_spec(batch=1, seq_q=2048, seq_k=2048, heads_q=2, head_dim=128,
+                             causal=True)
+  cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(balanced=False))
+  g = mosaic.geometry(s, cfg)
+  assert g.persistent_ctas and not g.balanced
+
+
 def test_split_tail_default_where_it_was_measured_to_pay():
   """On by default for D <= 64 with more than 2048 keys only (H200, 2026-11-23)."""
   s = lambda d, seq: spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=12,
@@ -194,6 +248,10 @@ VARIANTS = [
     # The forward's launch kinds: persistent by default only for the full band.
     dict(causal=True, persistent=True), dict(persistent=False),
     dict(head_dim=256, sliding_window=(64, 0), persistent=True),
+    # A persistent causal launch walking blocks.balanced_order's tiles, or
+    # every n-th tile.
+    dict(causal=True, persistent=True, balanced=True, seq_q=1024, seq_k=1024),
+    dict(causal=True, persistent=True, balanced=False, seq_q=1024, seq_k=1024),
     # A persistent launch of 320 tiles on 132 SMs: the last round split by keys.
     dict(seq_q=2048, seq_k=2000, heads_q=20, heads_kv=4, split_tail=True),
     # The backward's dQ and dK/dV kernels as one launch (default) or two.
@@ -233,6 +291,7 @@ def test_every_variant_lowers_for_cuda(variant):
   sinks = kw.pop("sinks", False)
   persistent = kw.pop("persistent", None)
   split_tail = kw.pop("split_tail", False)
+  balanced = kw.pop("balanced", None)
   one_launch = kw.pop("bwd_one_launch", True)
   sd = jax.ShapeDtypeStruct
   b, sq, sk, hq = shape["batch"], shape["seq_q"], shape["seq_k"], shape["heads_q"]
@@ -264,7 +323,9 @@ def test_every_variant_lowers_for_cuda(variant):
     assert mosaic.supported(spec) is None
     config = mosaic.default_config(spec)
     config = configs.with_part(config, "fwd", persistent=persistent,
-                               split_tail=split_tail)
+                               split_tail=split_tail, balanced=balanced)
+    if balanced is not None:
+      assert mosaic.geometry(spec, config).balanced == balanced
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
     static = platform.Static(config)
