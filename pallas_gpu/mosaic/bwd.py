@@ -340,14 +340,7 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-      def walk(body, carry):
-        """The band's phases: skip / masked / plain / masked / skip."""
-        lax.fori_loop(lo_c, lo, skip, None)
-        carry = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), carry)
-        carry = lax.fori_loop(a, bb, lambda s, c: body(s, c, False), carry)
-        carry = lax.fori_loop(bb, hi, lambda s, c: body(s, c, True), carry)
-        lax.fori_loop(hi, hi_c, skip, None)
-        return carry
+      walk = lambda body, carry: _walk(body, skip, carry, lo_c, (lo, a, bb, hi), hi_c)
 
       def write(acc, smem_block, out_ref):
         smem_block[...] = acc.astype(dtype)
@@ -492,6 +485,19 @@ def _free(stages: int):
   """Two release barriers per slot (one per operand), each awaiting both compute
   warpgroups."""
   return (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+
+
+def _walk(body, skip, carry, lo_c, ranges, hi_c):
+  """A warpgroup's walk of steps ``[lo_c, hi_c)`` over the band's phases: skip /
+  masked / plain / masked / skip, ``ranges`` being its ``(lo, a, b, hi)``;
+  ``body(s, carry, masked)`` runs the steps, ``skip(s, None)`` the others."""
+  lo, a, b, hi = ranges
+  lax.fori_loop(lo_c, lo, skip, None)
+  carry = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), carry)
+  carry = lax.fori_loop(a, b, lambda s, c: body(s, c, False), carry)
+  carry = lax.fori_loop(b, hi, lambda s, c: body(s, c, True), carry)
+  lax.fori_loop(hi, hi_c, skip, None)
+  return carry
 
 
 def _launch(entry, out_type, grid, grid_names):
@@ -724,14 +730,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
 
-      def walk(body, acc):
-        """The band's phases: skip / masked / plain / masked / skip."""
-        lax.fori_loop(lo_c, lo, skip, None)
-        acc = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), acc)
-        acc = lax.fori_loop(a, bb, lambda s, c: body(s, c, False), acc)
-        acc = lax.fori_loop(bb, hi, lambda s, c: body(s, c, True), acc)
-        lax.fori_loop(hi, hi_c, skip, None)
-        return acc
+      walk = lambda body, carry: _walk(body, skip, carry, lo_c, (lo, a, bb, hi), hi_c)
 
       def write(acc, smem_block, out_rows):
         smem_block[...] = (acc * g.softmax_scale).astype(dtype)
