@@ -45,6 +45,13 @@ hashed in XLA) rides in the row stats as two exact 16-bit halves, so the dK/dV
 kernel, which meets new rows every step, and the dQ kernel do one mix per
 element. dV takes the kept probabilities and dS the kept dP, both scaled by
 1 / (1 - rate).
+
+Bias and dense mask (``Geometry.bias_dtype``, head dims up to 128): the
+forward's additive tile (mosaic.additive_tile) comes with each K block in the
+dQ kernel and, transposed by XLA, with each Q block in the dK/dV kernel. With a
+bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
+a ``[B, Hq, Sqp, Skp]`` fp32 array for dbias, zeros where its walk does not
+reach.
 """
 
 from __future__ import annotations
@@ -195,9 +202,10 @@ def _segment_parts(g: Geometry, seg, b_idx):
 
 def _dkv_program(g: Geometry, dtype):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
-  ``kernel(q, k, v, do, stats, seed, dk, dv, (tile, head, batch), seg, *scoped)``
-  for key tile ``tile`` of one (query head, batch); ``seed``: the dropout words
-  (or None); ``seg``: the segment refs (kv ids, q ids, table), shared memory and
+  ``kernel(q, k, v, do, stats, seed, bias, dk, dv, (tile, head, batch), seg,
+  *scoped)`` for key tile ``tile`` of one (query head, batch); ``seed``: the
+  dropout words (or None); ``bias``: the transposed additive tile (or None);
+  ``seg``: the segment refs (kv ids, q ids, table), shared memory and
   barriers, or None.
 
   With ``g.shared_block`` (D > 128) the two compute warpgroups share one block of
@@ -569,15 +577,16 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
 
 
 def _dq_program(g: Geometry, dtype):
-  """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, seed, dq, (tile,
-  head, batch), seg, *scoped)`` for query tile ``tile``; ``seg`` as in
+  """``(scoped, kernel)`` of the dQ CTA, ``kernel(q, k, v, do, stats, seed, bias,
+  dq, ds, (tile, head, batch), seg, *scoped)`` for query tile ``tile``; ``bias``
+  the additive tile and ``ds`` dbias's output (each or None); ``seg`` as in
   :func:`_dkv_program` with q ids first.
 
   With ``g.shared_block`` (D > 128) the two compute warpgroups share one block of
   rows in two roles, as in the dK/dV kernel: warpgroup 0 computes P (handing it
   over as there) and the first half of dQ's columns, warpgroup 1 dP, dS (handed
   back through shared memory) and the second half. Blocks are held as two
-  column halves (:func:`_slots`), the operands of the halves' products."""
+  column halves (:func:`_copy_halves`), the operands of the halves' products."""
   bq, bk, stages = g.block_q, g.block_kv, g.num_stages
   roles = g.shared_block
   additive = g.bias_dtype is not None
