@@ -71,7 +71,8 @@ def backward_candidates(spec, best: MosaicConfig):
     return configs.with_part(best, kernel, **fields)
 
   fixed = fixed_backward_tiles(spec) is not None
-  return [vary(kernel, fields) for kernel, fields in (BACKWARD_FIXED if fixed else BACKWARD)]
+  return [vary(kernel, fields)
+          for kernel, fields in (BACKWARD_FIXED if fixed else BACKWARD)]
 
 
 TUNER = common.Tuner(CACHE, lambda spec: (

@@ -276,12 +276,8 @@ def _dkv_program(g: Geometry, dtype):
         return compat.mgpu_load(st_smem.at[slot, i], plgpu.Layout.WGMMA.reduce(0))
 
       def bias_tile_t(slot, load=True):
-        """This warpgroup's keys of the slot's transposed additive tile, or
-        None. Every step waits, so the barriers' phases stay in step."""
-        if not additive:
-          return None
-        plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
-        return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+        """This warpgroup's keys of the slot's transposed additive tile."""
+        return _slot_tile(bias_smem, bias_bar, slot, wg, load) if additive else None
 
       def probs_t(s, slot, masked: bool):
         """P^T of step ``s`` with the band's and the ids' zeros, tanh of the
@@ -474,6 +470,14 @@ def _tile_slots(g: Geometry, stages: int, own: int, streamed: int):
                      transforms=additive_tiling(g.bias_dtype)),)
 
 
+def _slot_tile(smem, bars, slot, wg, load: bool):
+  """Warpgroup ``wg``'s additive tile of ring slot ``slot`` (:func:`_tile_slots`)
+  in registers, or None without ``load``. Every step waits, so the barriers'
+  phases stay in step."""
+  plgpu.barrier_wait(bars.at[2 * slot + wg])
+  return compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+
+
 def _with_tile(load, g: Geometry, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
   """``load(s, slot)`` that also copies both warpgroups' tiles of the additive
   operand (rows ``own_rows(w)``, columns ``streamed(s)``) into the slot, one
@@ -647,12 +651,8 @@ def _dq_program(g: Geometry, dtype):
                                               plgpu.Layout.WGMMA)
 
       def bias_tile(slot, load=True):
-        """This warpgroup's rows of the slot's additive tile, or None. Every
-        step waits, so the barriers' phases stay in step."""
-        if not additive:
-          return None
-        plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
-        return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+        """This warpgroup's rows of the slot's additive tile."""
+        return _slot_tile(bias_smem, bias_bar, slot, wg, load) if additive else None
 
       def store_ds(s, ds):
         """dS of step ``s`` (the logits' gradient) to its dbias tile, staged in
@@ -873,7 +873,8 @@ def _dq_program(g: Geometry, dtype):
   if additive:
     smem += _tile_slots(g, stages, bq, bk)
     if g.bias_grad:  # one fp32 dS stage per warpgroup
-      smem += (plgpu.SMEM((2, bq, bk), jnp.float32, transforms=additive_tiling(jnp.float32)),)
+      smem += (plgpu.SMEM((2, bq, bk), jnp.float32,
+                          transforms=additive_tiling(jnp.float32)),)
     bars += (plgpu.Barrier(num_barriers=2 * stages),)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 

@@ -58,7 +58,8 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, additive_tiling, balanced_order, dropout_col_keys, dropout_keep, dropout_row_keys,
+from .blocks import (Geometry, additive_tiling, balanced_order, dropout_col_keys,
+                     dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                      unit_walk, windows)
 

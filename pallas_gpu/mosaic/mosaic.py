@@ -1,16 +1,16 @@
 """Entry point of the Pallas Mosaic-GPU platform (Hopper).
 
-Forward: the warp-specialised kernel of fwd.py. Backward: the Mosaic-GPU
-dQ and dK/dV kernels of bwd.py (above head dim 128 with the two compute
-warpgroups of a CTA sharing one block in roles), on this forward's output and
-lse. Segment ids narrow every kernel's walk to the
-blocks the ids leave visible (common/segments.py). A bias or dense mask over
-whole ``[Sq, Sk]`` slices runs as one additive tile (head dims up to 128): the
-forward streams it with K (64-key blocks), the dQ kernel too, writing dS for
-dbias, and the dK/dV kernel its transpose with Q; an fp32 bias, whose tile
-stays fp32, takes Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the global coordinates
-of its tiles with common/dropout.py (the backward's row keys come with the
-row stats). Features the kernels lack (fp32, a bias or mask broadcast along Sq
+Forward: the warp-specialised kernel of fwd.py. Backward: the Mosaic-GPU dQ and
+dK/dV kernels of bwd.py (above head dim 128 with the two compute warpgroups of
+a CTA sharing one block in roles), on this forward's output and lse. Segment
+ids narrow every kernel's walk to the blocks the ids leave visible
+(common/segments.py). A bias or dense mask over whole ``[Sq, Sk]`` slices runs
+as one additive tile (head dims up to 128): the forward streams it with K
+(64-key blocks), the dQ kernel too, writing dS for dbias, and the dK/dV kernel
+its transpose with Q; an fp32 bias, whose tile stays fp32, takes
+Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
+global coordinates of its tiles with common/dropout.py (the backward's row
+keys come with the row stats). Features the kernels lack (fp32, a bias or mask broadcast along Sq
 or Sk or with head dims over 128, a mask with a soft cap) raise
 NotImplementedError, so the frontend routes those calls to the next platform
 (triton where installed, then Pallas-Triton).
@@ -30,8 +30,8 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BALANCED_MAX_KEYS_TIMES_DIM, BIAS_FORWARD, BIAS_MAX_HEAD_DIM, OWN_BLOCK_BWD_MAX_HEAD_DIM,
-                     HEAD_DIMS, MosaicConfig,
+from .config import (BALANCED_MAX_KEYS_TIMES_DIM, BIAS_FORWARD, BIAS_MAX_HEAD_DIM,
+                     HEAD_DIMS, OWN_BLOCK_BWD_MAX_HEAD_DIM, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      backward_tiles_error, has_additive_tile, padded_head_dim,
                      uses_mosaic_backward)
