@@ -8,11 +8,13 @@ host; the band ranges themselves are common/blocking.py's.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ...common import blocking, dropout
@@ -225,8 +227,6 @@ def balanced_order(g: Geometry):
   ``BALANCE_STEP_OVERHEAD``), so uneven band tiles end together; in increasing
   order each CTA moves through the heads as the others do, sharing K and V in
   L2."""
-  import heapq
-  import numpy as np
   steps = []
   with jax.ensure_compile_time_eval():  # host ints, also while a call is traced
     for tile in range(g.num_q_tiles):

@@ -121,12 +121,16 @@ def _dropped(keep, x, scale=None):
   return jnp.where(keep, x if scale is None else x * scale, 0.0)
 
 
-def _halves(block):
-  """A block held as two column halves (``[2, rows, D / 2]``) as the operands of a
-  product over the head dim, accumulated one after the other. Built inside the
-  ``pl.run_state`` / ``pl.run_scoped`` body that reads them: a ref indexed by a
-  constant and closed over by ``pl.run_state`` fails to lower (jax 0.11)."""
-  return block.at[0], block.at[1]
+def _product_over_halves(a, b, shape):
+  """``a b^T`` (fp32, ``shape``) of two blocks held as column halves (``[2,
+  rows, D / 2]``): one wgmma per half, accumulated. The halves are indexed
+  inside the ``pl.run_scoped`` body: a ref indexed by a constant and closed over
+  by ``pl.run_state`` fails to lower (jax 0.11)."""
+  def product(acc_ref):
+    for i in range(2):
+      plgpu.wgmma(acc_ref, a.at[i], compat.transpose_ref(b.at[i], (1, 0)))
+    return acc_ref[...]
+  return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
 def _copy_half(g: Geometry, ref, rows, i, dst, bar):
@@ -277,7 +281,9 @@ def _dkv_program(g: Geometry, dtype):
 
       def bias_tile_t(slot, load=True):
         """This warpgroup's keys of the slot's transposed additive tile."""
-        return _slot_tile(bias_smem, bias_bar, slot, wg, load) if additive else None
+        if not additive:
+          return None
+        return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load)
 
       def probs_t(s, slot, masked: bool):
         """P^T of step ``s`` with the band's and the ids' zeros, tanh of the
@@ -344,7 +350,8 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-      walk = lambda body, carry: _walk(body, skip, carry, lo_c, (lo, a, bb, hi), hi_c)
+      walk = lambda body, carry: _band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
+                                            hi_c)
 
       def write(acc, smem_block, out_ref):
         smem_block[...] = acc.astype(dtype)
@@ -435,9 +442,9 @@ def _dkv_program(g: Geometry, dtype):
                                 qid_smem.at[slot], qid_bar.at[slot])
 
     if additive:
-      load_q = _with_tile(load_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
-                          lambda w: pl.ds((tile * 2 + w) * bk, bk),
-                          lambda s: pl.ds(s * bq, bq))
+      load_q = pipeline.with_tile(load_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                                  lambda w: pl.ds((tile * 2 + w) * bk, bk),
+                                  lambda s: pl.ds(s * bq, bq))
     # dO is released after dV and dP^T, Q, the row stats (and the transposed
     # additive tile) after dK.
     pl.when(wg == 2)(lambda: pipeline.produce(
@@ -457,40 +464,9 @@ def _dkv_program(g: Geometry, dtype):
     smem += (plgpu.SMEM((2, bk, bq), jnp.float16, transforms=tiled),)
     bars += (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
   if additive:
-    smem += _tile_slots(g, stages, bk, bq)
-    bars += (plgpu.Barrier(num_barriers=2 * stages),)
+    tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bk, bq)
+    smem, bars = smem + (tile_smem,), bars + (tile_bars,)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
-
-
-def _tile_slots(g: Geometry, stages: int, own: int, streamed: int):
-  """Ring slots of the additive tile: per stage, the ``(own, streamed)`` tiles of
-  both warpgroups' blocks (rows by keys in dQ; keys by rows, transposed, in
-  dK/dV)."""
-  return (plgpu.SMEM((stages, 2, own, streamed), jnp.dtype(g.bias_dtype),
-                     transforms=additive_tiling(g.bias_dtype)),)
-
-
-def _slot_tile(smem, bars, slot, wg, load: bool):
-  """Warpgroup ``wg``'s additive tile of ring slot ``slot`` (:func:`_tile_slots`)
-  in registers, or None without ``load``. Every step waits, so the barriers'
-  phases stay in step."""
-  plgpu.barrier_wait(bars.at[2 * slot + wg])
-  return compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
-
-
-def _with_tile(load, g: Geometry, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
-  """``load(s, slot)`` that also copies both warpgroups' tiles of the additive
-  operand (rows ``own_rows(w)``, columns ``streamed(s)``) into the slot, one
-  barrier per warpgroup."""
-  bi = b_idx if g.bias_batch else 0
-  hi = h if g.bias_heads else 0
-
-  def load_both(s, slot):
-    load(s, slot)
-    for w in (0, 1):
-      plgpu.copy_gmem_to_smem(tile_ref.at[bi, hi, own_rows(w), streamed(s)],
-                              smem.at[slot, w], bars.at[2 * slot + w])
-  return load_both
 
 
 def _free(stages: int):
@@ -499,7 +475,7 @@ def _free(stages: int):
   return (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
 
 
-def _walk(body, skip, carry, lo_c, ranges, hi_c):
+def _band_walk(body, skip, carry, lo_c, ranges, hi_c):
   """A warpgroup's walk of steps ``[lo_c, hi_c)`` over the band's phases: skip /
   masked / plain / masked / skip, ``ranges`` being its ``(lo, a, b, hi)``;
   ``body(s, carry, masked)`` runs the steps, ``skip(s, None)`` the others."""
@@ -652,7 +628,9 @@ def _dq_program(g: Geometry, dtype):
 
       def bias_tile(slot, load=True):
         """This warpgroup's rows of the slot's additive tile."""
-        return _slot_tile(bias_smem, bias_bar, slot, wg, load) if additive else None
+        if not additive:
+          return None
+        return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load)
 
       def store_ds(s, ds):
         """dS of step ``s`` (the logits' gradient) to its dbias tile, staged in
@@ -739,7 +717,8 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
 
-      walk = lambda body, carry: _walk(body, skip, carry, lo_c, (lo, a, bb, hi), hi_c)
+      walk = lambda body, carry: _band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
+                                            hi_c)
 
       def write(acc, smem_block, out_rows):
         smem_block[...] = (acc * g.softmax_scale).astype(dtype)
@@ -765,14 +744,7 @@ def _dq_program(g: Geometry, dtype):
         slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])  # V is warpgroup 1's
-
-        def s_product(s_ref):
-          for q_part, k_part in zip((q_smem.at[0], q_smem.at[1]),
-                                    _halves(k_smem.at[slot])):
-            plgpu.wgmma(s_ref, q_part, compat.transpose_ref(k_part, (1, 0)))
-          return s_ref[...]
-
-        scores = pl.run_scoped(s_product, plgpu.ACC((bq, bk), jnp.float32))
+        scores = _product_over_halves(q_smem, k_smem.at[slot], (bq, bk))
         p, tanh = masked_probs(s, slot, scores, masked)
         pl.when(s - lo >= 2)(lambda: plgpu.barrier_wait(p_free.at[buf]))
         p_smem.at[buf][...] = _handover(p, tanh, keep_of(s)).astype(jnp.float16)
@@ -792,14 +764,7 @@ def _dq_program(g: Geometry, dtype):
         slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
-
-        def dp_product(dp_ref):
-          for do_part, v_part in zip((do_smem.at[0], do_smem.at[1]),
-                                     _halves(v_smem.at[slot])):
-            plgpu.wgmma(dp_ref, do_part, compat.transpose_ref(v_part, (1, 0)))
-          return dp_ref[...]
-
-        dp = pl.run_scoped(dp_product, plgpu.ACC((bq, bk), jnp.float32))
+        dp = _product_over_halves(do_smem, v_smem.at[slot], (bq, bk))
         plgpu.barrier_arrive(v_free.at[slot])
         plgpu.barrier_wait(p_full.at[buf])
         hand = p_smem.at[buf][...].astype(jnp.float32)
@@ -841,9 +806,9 @@ def _dq_program(g: Geometry, dtype):
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
       load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
     if additive:
-      load_k = _with_tile(load_k, g, bias_ref, bias_smem, bias_bar, b_idx, h,
-                          lambda w: pl.ds((tile * 2 + w) * bq, bq),
-                          lambda s: pl.ds(s * bk, bk))
+      load_k = pipeline.with_tile(load_k, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                                  lambda w: pl.ds((tile * 2 + w) * bq, bq),
+                                  lambda s: pl.ds(s * bk, bk))
     # V is released after S and dP, K (and the additive tile) after the dQ
     # product.
     pl.when(wg == 2)(lambda: pipeline.produce(
@@ -871,11 +836,11 @@ def _dq_program(g: Geometry, dtype):
              plgpu.SMEM((bq, bk), dtype, transforms=tiled))
     bars += tuple(plgpu.Barrier(num_barriers=n) for n in (2, 2, 1, 1))
   if additive:
-    smem += _tile_slots(g, stages, bq, bk)
+    tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bq, bk)
+    smem, bars = smem + (tile_smem,), bars + (tile_bars,)
     if g.bias_grad:  # one fp32 dS stage per warpgroup
       smem += (plgpu.SMEM((2, bq, bk), jnp.float32,
                           transforms=additive_tiling(jnp.float32)),)
-    bars += (plgpu.Barrier(num_barriers=2 * stages),)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 
 

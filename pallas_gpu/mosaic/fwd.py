@@ -58,7 +58,7 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, additive_tiling, balanced_order, dropout_col_keys,
+from .blocks import (Geometry, balanced_order, dropout_col_keys,
                      dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                      unit_walk, windows)
@@ -168,10 +168,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           of the input), waited for by every step; None without one."""
           if g.bias_dtype is None:
             return None
-          plgpu.barrier_wait(bias_bar.at[2 * slot + wg])
-          if not load:
-            return None
-          return compat.mgpu_load(bias_smem.at[slot, wg], plgpu.Layout.WGMMA)
+          return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load)
 
         def kv_ids(slot, load):
           """The slot's kv ids, read before K's slot is released."""
@@ -354,15 +351,9 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         return base + (hi_c - lo_c)
 
       def with_bias(load, b_idx, h, tile):
-        def load_both(s, slot):
-          load(s, slot)
-          bi = b_idx if g.bias_batch else 0
-          hi = h if g.bias_heads else 0
-          for w in (0, 1):  # one copy and barrier per warpgroup's rows
-            rows = pl.ds(tile * (2 * bq) + w * bq, bq)
-            plgpu.copy_gmem_to_smem(bias_ref.at[bi, hi, rows, pl.ds(s * bk, bk)],
-                                    bias_smem.at[slot, w], bias_bar.at[2 * slot + w])
-        return load_both
+        return pipeline.with_tile(load, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                                  lambda w: pl.ds(tile * (2 * bq) + w * bq, bq),
+                                  lambda s: pl.ds(s * bk, bk))
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
@@ -390,9 +381,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
                   (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
                   ) if g.segments else ()
 
-    bias_scoped = ((plgpu.SMEM((stages, 2, bq, bk), jnp.dtype(g.bias_dtype),
-                               transforms=additive_tiling(g.bias_dtype)),
-                    plgpu.Barrier(num_barriers=2 * stages))
+    bias_scoped = (pipeline.tile_slots(g.bias_dtype, stages, bq, bk)
                    if g.bias_dtype is not None else ())
 
     def scoped_kernel(smem, bars, free, sched, *extra):

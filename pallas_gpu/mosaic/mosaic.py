@@ -10,10 +10,10 @@ as one additive tile (head dims up to 128): the forward streams it with K
 its transpose with Q; an fp32 bias, whose tile stays fp32, takes
 Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
 global coordinates of its tiles with common/dropout.py (the backward's row
-keys come with the row stats). Features the kernels lack (fp32, a bias or mask broadcast along Sq
-or Sk or with head dims over 128, a mask with a soft cap) raise
-NotImplementedError, so the frontend routes those calls to the next platform
-(triton where installed, then Pallas-Triton).
+keys come with the row stats). Features the kernels lack (fp32, a bias or
+mask broadcast along Sq or Sk or with head dims over 128, a mask with a soft
+cap) raise NotImplementedError, so the frontend routes those calls to the next
+platform (triton where installed, then Pallas-Triton).
 """
 
 from __future__ import annotations
@@ -116,15 +116,20 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
                    num_stages=dkv.num_stages, **common))
 
 
+def _tile_dtype(ops):
+  """The additive tile's dtype: an fp32 bias's, else the inputs'."""
+  if ops.bias is not None and ops.bias.dtype == jnp.float32:
+    return jnp.dtype(jnp.float32)
+  return ops.q.dtype
+
+
 def additive_tile(ops, spec, g: Geometry):
   """``(g, tile)``: the bias plus 0 / -inf where the mask is False, padded to
   ``[B|1, H|1, Sqp, Skp]``, in the bias's dtype (fp32 stays fp32) or the input's,
   and ``g`` recording it; ``(g, None)`` without bias and mask."""
   if not has_additive_tile(spec):
     return g, None
-  dtype = ops.bias.dtype if ops.bias is not None else ops.q.dtype
-  if dtype != jnp.float32:
-    dtype = ops.q.dtype
+  dtype = _tile_dtype(ops)
   tile = None if ops.bias is None else ops.bias.astype(dtype)
   if ops.mask is not None:
     blocked = jnp.where(ops.mask, 0.0, -jnp.inf).astype(dtype)
@@ -204,15 +209,12 @@ def forward(ops, spec, static: platform.Static):
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
-def _fp32_tile(ops) -> bool:
-  """An fp32 bias keeps the additive tile fp32, whose ring slots (with the dS
-  stage) do not fit the dQ kernel's shared memory beside its tiles."""
-  return ops.bias is not None and ops.bias.dtype == jnp.float32
-
-
 @rows.takes_rows
 def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
-  if not uses_mosaic_backward(spec, static.config) or _fp32_tile(ops):
+  # An fp32 tile's ring slots, with the dS stage, do not fit the dQ kernel's
+  # shared memory beside its blocks.
+  fp32_tile = has_additive_tile(spec) and _tile_dtype(ops) == jnp.float32
+  if not uses_mosaic_backward(spec, static.config) or fp32_tile:
     ops, out, do = rows.materialize((ops, out, do))
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
                                   out, lse, do, dlse)

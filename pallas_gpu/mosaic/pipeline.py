@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...common import compat
+from .blocks import additive_tiling
 
 # Registers per thread of (each compute warpgroup, the memory warpgroup). A CTA
 # of three warpgroups launches with 168 x 384 registers; setmaxnreg only moves
@@ -74,6 +75,40 @@ def with_ids(load, g, ids_ref, ids_smem, ids_bar, b_idx):
     plgpu.copy_gmem_to_smem(ids_ref.at[b_idx, pl.ds(s * g.block_kv, g.block_kv)],
                             ids_smem.at[slot], ids_bar.at[slot])
   return load_both
+
+
+def tile_slots(dtype, stages: int, own: int, streamed: int):
+  """Ring slots of the additive (bias / mask) tile, ``dtype``: per stage, both
+  compute warpgroups' ``(own, streamed)`` tiles (rows by keys in the forward and
+  dQ; keys by rows, transposed, in dK/dV), and one barrier per stage and
+  warpgroup."""
+  return (plgpu.SMEM((stages, 2, own, streamed), jnp.dtype(dtype),
+                     transforms=additive_tiling(dtype)),
+          plgpu.Barrier(num_barriers=2 * stages))
+
+
+def with_tile(load, g, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
+  """``load(s, slot)`` that also copies both warpgroups' tiles of the additive
+  operand ``tile_ref [B|1, H|1, ., .]`` (rows ``own_rows(w)``, columns
+  ``streamed(s)``) into the slot of :func:`tile_slots`, one barrier per
+  warpgroup."""
+  bi = b_idx if g.bias_batch else 0
+  hi = h if g.bias_heads else 0
+
+  def load_both(s, slot):
+    load(s, slot)
+    for w in (0, 1):
+      plgpu.copy_gmem_to_smem(tile_ref.at[bi, hi, own_rows(w), streamed(s)],
+                              smem.at[slot, w], bars.at[2 * slot + w])
+  return load_both
+
+
+def slot_tile(smem, bars, slot, wg, load: bool = True):
+  """Warpgroup ``wg``'s additive tile of ring slot ``slot`` (:func:`tile_slots`)
+  in registers, or None without ``load``. Every step waits, so the barriers'
+  phases stay in step."""
+  plgpu.barrier_wait(bars.at[2 * slot + wg])
+  return compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
 
 
 def slot_ids(bar, smem, slot, layout, load: bool = True):
