@@ -219,22 +219,44 @@ def tail_plan(g: Geometry) -> split_tail.Tail | None:
 BALANCE_STEP_OVERHEAD = 1.0  # a tile's fixed cost, in kv steps
 
 
-def balanced_order(g: Geometry):
-  """The persistent forward's tiles per CTA, ``[num_ctas, 2 + n]`` int32 (host
-  numpy): row ``c`` holds CTA ``c``'s tile count, then its tiles (indices for
+def tile_steps(g: Geometry, visible=None):
+  """The kv steps each forward tile ``t`` (:func:`tile_coords`) walks: host
+  ints, or with ``visible`` (segment ids' ``[B, 4, Sqp / block_q]`` table of
+  mosaic.segment_operands) an ``[num_tiles]`` int32 array computed on the
+  device, since the ids are data."""
+  if visible is None:
+    with jax.ensure_compile_time_eval():  # host ints, also while a call is traced
+      steps = []
+      for tile in range(g.num_q_tiles):
+        _, lo_c, hi_c = cta_block_ranges(g, tile)
+        steps.append(int(hi_c) - int(lo_c))
+    # t -> its q tile: tile_coords' reversed q tiles, fastest.
+    return [steps[(g.num_q_tiles - 1) - t % g.num_q_tiles] for t in range(g.num_tiles)]
+
+  def steps_of(t):
+    b_idx, _, tile = tile_coords(g, t)
+    narrow = lambda i: tuple(visible[b_idx, j, i] for j in range(4))
+    _, lo_c, hi_c = cta_block_ranges(g, tile, narrow)
+    return hi_c - lo_c
+
+  return jax.vmap(steps_of)(jnp.arange(g.num_tiles, dtype=jnp.int32))
+
+
+def balanced_order(g: Geometry, visible=None):
+  """The persistent forward's tiles per CTA, ``[num_ctas, 2 + n]`` int32: row
+  ``c`` holds CTA ``c``'s tile count, then its tiles (indices for
   :func:`tile_coords`) in increasing order, padded with 0. Tiles go longest
   first to the least loaded CTA (a tile's cost: its walk's kv steps plus
   ``BALANCE_STEP_OVERHEAD``), so uneven band tiles end together; in increasing
   order each CTA moves through the heads as the others do, sharing K and V in
-  L2."""
-  steps = []
-  with jax.ensure_compile_time_eval():  # host ints, also while a call is traced
-    for tile in range(g.num_q_tiles):
-      _, lo_c, hi_c = cta_block_ranges(g, tile)
-      steps.append(int(hi_c) - int(lo_c))
-  # t -> its q tile: tile_coords' reversed q tiles, fastest.
-  cost = [steps[(g.num_q_tiles - 1) - t % g.num_q_tiles] + BALANCE_STEP_OVERHEAD
-          for t in range(g.num_tiles)]
+  L2.
+
+  Host numpy for a band alone. Under segment ids (``visible``, see
+  :func:`tile_steps`) the walks are known on the device only, which orders the
+  tiles instead (:func:`_device_order`)."""
+  if visible is not None:
+    return _device_order(g, tile_steps(g, visible))
+  cost = [s + BALANCE_STEP_OVERHEAD for s in tile_steps(g)]
   heap = [(0.0, c) for c in range(g.num_ctas)]
   mine = [[] for _ in range(g.num_ctas)]
   for t in sorted(range(g.num_tiles), key=lambda t: -cost[t]):
@@ -247,6 +269,25 @@ def balanced_order(g: Geometry):
     table[c, 0] = len(m)
     table[c, 1:1 + len(m)] = sorted(m)
   return table
+
+
+def _device_order(g: Geometry, steps):
+  """:func:`balanced_order`'s table from device ``steps`` ``[num_tiles]``: the
+  tiles sorted longest first are dealt out in rounds of one per CTA, every
+  other round in reverse CTA order (a snake), which approximates the host's
+  least-loaded-first placement with one sort and no sequential loop."""
+  n, ctas = g.num_tiles, g.num_ctas
+  rounds = -(-n // ctas)
+  by_cost = jnp.argsort(-steps, stable=True).astype(jnp.int32)
+  r = jnp.arange(rounds, dtype=jnp.int32)[None, :]
+  c = jnp.arange(ctas, dtype=jnp.int32)[:, None]
+  rank = r * ctas + jnp.where(r % 2 == 0, c, ctas - 1 - c)  # [ctas, rounds]
+  dealt = rank < n
+  tiles = jnp.where(dealt, by_cost[jnp.minimum(rank, n - 1)], n)
+  tiles = jnp.sort(tiles, axis=1)  # increasing; the undealt (n) last
+  count = dealt.sum(1, dtype=jnp.int32)[:, None]
+  return jnp.concatenate([count, jnp.where(tiles < n, tiles, 0),
+                          jnp.zeros((ctas, 1), jnp.int32)], axis=1)
 
 
 def num_units(g: Geometry) -> int:

@@ -41,13 +41,12 @@ class MosaicForward:
     block_kv: keys per pipeline step.
     num_stages: K/V shared-memory slots in flight.
     persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
-      (False), or None: persistent for the full band without segment ids, and
-      for a causal band (no left edge, no ids) of short tiles, ``seq_k * D <=
-      BALANCED_MAX_KEYS_TIMES_DIM``, walked in balanced order; otherwise one
-      CTA per tile (uneven tiles balance better on the hardware scheduler).
-      Rows packed with documents of one length run faster persistent (full
-      band, H200: 8 x 2048 458 against 483 us, 32 x 512 155 against 178), rows
-      of mixed lengths slower (1646 against 1239).
+      (False), or None: persistent for the full band (with segment ids too),
+      and for a causal band (no left edge, no ids) of short tiles, ``seq_k * D
+      <= BALANCED_MAX_KEYS_TIMES_DIM``; otherwise one CTA per tile. Rows packed
+      with documents (full band, H200, 2026-11-26): 1.00-1.13x one CTA per
+      tile walked in balanced order, 0.75x on documents of mixed lengths
+      walking every ``num_ctas``-th tile.
     split_tail: the persistent forward runs its last, partial round of q tiles
       as key ranges merged by a small second kernel (pallas_gpu/tail_merge.py); applies to
       the full band only, where the plan finds a split that pays. The default
@@ -55,8 +54,9 @@ class MosaicForward:
       (2026-11-23, device time per call) it made the D = 64 B2 S8k H32 forward
       4.8% faster; at D = 128 it was 1.1% faster at B2 S8k but 1.4% slower at
       B8 S2k and mixed at B1 S16k, so it stays off there.
-    balanced: whether a persistent launch over a causal or window band
-      (without segment ids) walks the tiles of blocks.balanced_order, longest
+    balanced: whether a persistent launch over a causal or window band, or
+      over segment ids (whose tiles the device orders, since the ids are
+      data), walks the tiles of blocks.balanced_order, longest
       first to the least loaded CTA, instead of every ``num_ctas``-th tile,
       whose uneven walks leave CTAs idle (None: it does). On an H200
       (2026-11-26, causal forward, against one CTA per tile): D = 128 B16 S1k

@@ -357,7 +357,9 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
       lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
 
-  order = jnp.asarray(balanced_order(g)) if g.balanced else None
+  order = None
+  if g.balanced:
+    order = jnp.asarray(balanced_order(g, segments[2] if g.segments else None))
   n_in = len(segments) + (bias is not None) + (seed is not None) + (order is not None)
 
 

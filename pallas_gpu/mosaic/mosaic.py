@@ -68,19 +68,22 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
   tile = 2 * fwd.block_q
   persistent = fwd.persistent
   if persistent is None:
-    # Packed documents make tiles uneven like a causal band does: on an H200
-    # (2026-11-24, 16k tokens, H16 D128, full band) persistent CTAs took 1646
-    # us against 1239 on documents of 64-8192 tokens, though 458 / 155 against
-    # 483 / 178 on 8 x 2048 / 32 x 512 (docs/reports/
-    # 2026-11-24-h200-segment-ids-overhead.txt). Equal documents may ask for it.
-    persistent = spec.band.is_full and not spec.has_segment_ids
+    # The full band, also over packed documents, whose uneven tiles the device
+    # balances (blocks.balanced_order): on an H200 (2026-11-26, 16k-32k tokens,
+    # H16 D128) 1.00-1.13x one CTA per tile in two runs; every n-th tile was
+    # 0.75x on documents of mixed lengths (docs/reports/
+    # 2026-11-26-h200-packed-balanced-forward.md). Causal packed rows keep one
+    # CTA per tile: 0.91-1.09x there, no steady gain.
+    persistent = spec.band.is_full
     # Short causal tiles: the hardware scheduler's start-up per CTA costs more
     # than a persistent launch's imbalance, once balanced (MosaicForward).
     persistent = persistent or (
         spec.band.causal and spec.band.left is None and not spec.has_segment_ids and
         spec.seq_k * d <= BALANCED_MAX_KEYS_TIMES_DIM)
-  balanced = (persistent and not spec.band.is_full and not spec.has_segment_ids and
-              fwd.balanced is not False)
+  # Uneven tiles (a band's, or documents') are balanced; the full band's even
+  # ones split their last round instead (split_tail).
+  balanced = (persistent and fwd.balanced is not False and
+              (not spec.band.is_full or spec.has_segment_ids))
   return Geometry(
       batch=spec.batch, seq_q=spec.seq_q, seq_k=spec.seq_k,
       seq_q_padded=blocking.round_up(spec.seq_q, tile),

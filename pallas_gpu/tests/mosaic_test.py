@@ -54,6 +54,34 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
                  head_dim=256, seed=11), **kw}
     self.check(conformance.Case(**kw))
 
+  @pytest.mark.parametrize("kw", [
+      dict(segment_ids="documents", causal=True), dict(segment_ids="documents"),
+      dict(segment_ids="packed", causal=True, heads_q=8, heads_kv=2)], ids=str)
+  def test_balanced_packed_forward(self, kw):
+    """Packed rows in a persistent launch whose tiles the device orders
+    (blocks.balanced_order with the ids' visible blocks): about two tiles per
+    CTA; outputs and gradients against the reference, and out and lse bit for
+    bit those of one CTA per tile."""
+    def config(balanced):
+      def attention(q, k, v, **kwargs):
+        lse = kwargs.pop("return_lse", False)
+        spec = spec_lib.canonicalize(q, k, v, **kwargs)[1]
+        cfg = configs.with_part(mosaic.default_config(spec), "fwd",
+                                persistent=balanced, balanced=balanced)
+        g = mosaic.geometry(spec, cfg)
+        assert g.segments and g.balanced == balanced
+        assert bool(g.persistent_ctas) == balanced
+        return mosaic.flash_attention(q, k, v, config=cfg, return_lse=lse, **kwargs)
+      return attention
+    case = conformance.Case(**{**dict(batch=2, seq_q=2048, seq_k=2048, heads_q=8,
+                                      heads_kv=8, head_dim=128, seed=3), **kw})
+    self.attention = config(True)
+    got, _ = self.check(case)
+    diff, const, static = conformance.make_inputs(self.resolve(case))
+    want = config(False)(**diff, **const, **static, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got["lse"]), np.asarray(want[1]))
+
 
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
   band = Band(seq_q=seq_q, seq_k=seq_k, left=left, right=right)
@@ -193,10 +221,53 @@ def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, w
   assert max(loads) - min(loads) <= max(cost(t) for t in range(g.num_tiles))
 
 
+@pytest.mark.parametrize("lengths", [
+    (2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled"])
+@pytest.mark.parametrize("causal", (True, False))
+def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
+  """blocks.balanced_order under segment ids (the tiles ordered on the device
+  from the ids' visible blocks): every tile once, each CTA's in increasing
+  order, the steps those of the kernel's walk, and no CTA's load above the
+  least loaded one's by more than one tile's."""
+  rng = np.random.default_rng(1)
+  if lengths == "shuffled":  # unsorted ids: a q block's blocks need not be one run
+    ids = rng.permutation(np.repeat(np.arange(40), 100))[None].astype(np.int32)
+  else:
+    ids = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
+  seq = ids.shape[1]
+  sd = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+  s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=16, head_dim=128,
+                             causal=causal, segment_ids=(sd, sd))
+  cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(persistent=True))
+  g = dataclasses.replace(mosaic.geometry(s, cfg), persistent_ctas=132)
+  assert g.balanced and g.segments
+  ops = spec_lib.Operands(q=None, k=None, v=None, q_segment_ids=jnp.asarray(ids),
+                          kv_segment_ids=jnp.asarray(ids))
+  visible = mosaic.segment_operands(ops, g)[2]
+  steps = np.asarray(mosaic_blocks.tile_steps(g, visible))
+  table = np.asarray(jax.jit(lambda v: mosaic_blocks.balanced_order(g, v))(visible))
+  vis = np.asarray(visible)
+  for t in rng.choice(g.num_tiles, 20, replace=False):  # the kernel's own walk
+    b, _, tile = (int(x) for x in mosaic_blocks.tile_coords(g, int(t)))
+    narrow = lambda i, b=b: tuple(int(vis[b, j, i]) for j in range(4))
+    _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile, narrow)
+    assert steps[t] == int(hi_c) - int(lo_c)
+  assert table.shape[0] == g.num_ctas
+  seen, loads = [], []
+  for row in table:
+    tiles = list(row[1:1 + row[0]])
+    assert tiles == sorted(tiles)
+    seen += tiles
+    loads.append(sum(steps[t] + mosaic_blocks.BALANCE_STEP_OVERHEAD for t in tiles))
+  assert sorted(seen) == list(range(g.num_tiles))
+  assert max(loads) - min(loads) <= steps.max() + mosaic_blocks.BALANCE_STEP_OVERHEAD
+
+
 def test_launch_defaults():
-  """Persistent for the full band without ids; persistent and balanced for a
-  causal band of short tiles (seq_k * D up to 8192 * 64); one CTA per tile for
-  long causal bands, windows and segment ids."""
+  """Persistent for the full band (with segment ids balanced in the device's
+  order); persistent and balanced for a causal band of short tiles (seq_k * D
+  up to 8192 * 64); one CTA per tile for long causal bands, windows and causal
+  segment ids."""
   def geometry(seq, d, **kw):
     s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=2, head_dim=d,
                                **kw)
@@ -210,6 +281,7 @@ def test_launch_defaults():
   assert geometry(2048, 256, causal=True) == (True, True)
   assert geometry(2048, 128, sliding_window=(256, 0)) == (False, False)
   assert geometry(2048, 128, causal=True, segment_ids=ids) == (False, False)
+  assert geometry(2048, 128, segment_ids=ids) == (True, True)
   s = spec_lib.abstract_spec(batch=1, seq_q=2048, seq_k=2048, heads_q=2, head_dim=128,
                              causal=True)
   cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(balanced=False))
@@ -259,6 +331,9 @@ VARIANTS = [
                                                   heads_kv=2, bwd_one_launch=False),
     # Segment ids in all three kernels (ids and visible-block tables as operands).
     dict(segment_ids=True, causal=True), dict(segment_ids=True, bwd_one_launch=False),
+    # A persistent launch over packed documents, balanced by the device's order.
+    dict(segment_ids=True, causal=True, persistent=True, balanced=True),
+    dict(segment_ids=True, persistent=True, balanced=True, seq_q=300, seq_k=700),
     # The additive tile (bias and / or mask) in all three kernels.
     dict(bias=True, causal=True), dict(mask=True, logits_soft_cap=None, seq_q=200),
     dict(bias=True, mask=True, dtype="float16"),
