@@ -50,8 +50,8 @@ Bias and dense mask (``Geometry.bias_dtype``, head dims up to 128): the
 forward's additive tile (mosaic.additive_tile) comes with each K block in the
 dQ kernel and, transposed by XLA, with each Q block in the dK/dV kernel. With a
 bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
-a ``[B, Hq, Sqp, Skp]`` fp32 array for dbias, zeros where its walk does not
-reach.
+a ``[B, Hq, Sqp, Skp]`` array in the bias's dtype for dbias (summed in fp32 by
+XLA), zeros where its walk does not reach.
 """
 
 from __future__ import annotations
@@ -524,11 +524,14 @@ def _optional(*xs):
 
 
 def _ds_type(g: Geometry):
-  """dS for dbias, ``[B, Hq, Sqp, Skp]`` fp32, with a bias."""
+  """dS for dbias, ``[B, Hq, Sqp, Skp]`` in the bias's dtype (bf16 or fp16: an
+  fp32 bias takes Pallas-Triton's backward), with a bias. dbias is returned in
+  that dtype, and the array is the backward's largest write, read again by the
+  batch and head sum: half of an fp32 one's traffic."""
   if not g.bias_grad:
     return ()
   return (jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded, g.seq_k_padded),
-                               jnp.float32),)
+                               g.bias_dtype),)
 
 
 def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
@@ -638,7 +641,7 @@ def _dq_program(g: Geometry, dtype):
         if ds_ref is None:
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        ds_smem[0].at[wg][...] = ds
+        ds_smem[0].at[wg][...] = ds.astype(ds_smem[0].dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(ds_smem[0].at[wg],
                                 ds_ref.at[b_idx, h, pl.ds(r0, bq), pl.ds(s * bk, bk)])
@@ -649,7 +652,7 @@ def _dq_program(g: Geometry, dtype):
         if ds_ref is None:
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        ds_smem[0].at[wg][...] = zeros((bq, bk))
+        ds_smem[0].at[wg][...] = zeros((bq, bk)).astype(ds_smem[0].dtype)
         plgpu.commit_smem()
 
         def zero(j):
@@ -838,9 +841,9 @@ def _dq_program(g: Geometry, dtype):
   if additive:
     tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bq, bk)
     smem, bars = smem + (tile_smem,), bars + (tile_bars,)
-    if g.bias_grad:  # one fp32 dS stage per warpgroup
-      smem += (plgpu.SMEM((2, bq, bk), jnp.float32,
-                          transforms=additive_tiling(jnp.float32)),)
+    if g.bias_grad:  # one dS stage per warpgroup, in the bias's dtype
+      smem += (plgpu.SMEM((2, bq, bk), g.bias_dtype,
+                          transforms=additive_tiling(g.bias_dtype)),)
   return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
 
 
