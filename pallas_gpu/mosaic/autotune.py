@@ -34,7 +34,8 @@ FORWARD = {
           dict(block_kv=64, num_stages=4), dict(block_kv=64, num_stages=2)),
     256: (dict(block_kv=64, num_stages=2),),
 }
-# The split tail applies to persistent full-band launches only (blocks.py).
+# The split tail applies to persistent full-band launches without segment ids
+# only (blocks.py, mosaic.geometry).
 LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
           dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False),
           dict(persistent=True, balanced=False))

@@ -53,8 +53,9 @@ class Geometry:
   # Forward: CTAs of a persistent launch (each walks q tiles ``cta, cta + n, ...``);
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
-  # Persistent forward over a causal or window band: each CTA walks the tiles
-  # balanced_order gives it (longest first across CTAs) instead of every n-th.
+  # Persistent forward over a causal or window band or segment ids: each CTA
+  # walks the tiles balanced_order gives it (longest first across CTAs; from
+  # the ids on the device) instead of every n-th.
   balanced: bool = False
   # Persistent full-band forward: run the last, partial round of tiles as key
   # ranges (split_tail.py) where the plan says it pays.

@@ -216,9 +216,10 @@ def fixed_backward_tiles(spec) -> str | None:
   Above D = 128 a dQ CTA holds its 64 rows of Q and dO and two stages of 64-key
   K and V blocks, a dK/dV CTA its 64 keys of K and V and two stages of 64-row Q
   and dO blocks: 192 KiB of the 227 at D = 256. With an additive tile the dQ
-  kernel holds two stages of its 64 x 64 tiles and a dS stage (in the bias's
-  dtype) beside its D = 128 blocks (177 KiB; 193 with the fp32 stage measured
-  before, when a larger block or a third stage did not fit)."""
+  kernel holds two stages of its 64 x 64 tiles and a dS stage (bf16 with a
+  bf16 tile, 177 KiB in all; fp32 with an fp16 tile, 193 KiB) beside its D =
+  128 blocks. Any larger block or a third stage did not fit beside the fp32
+  stage; beside the bf16 one that is not measured."""
   if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
     return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
   if has_additive_tile(spec):

@@ -8,7 +8,9 @@ registers. A two-party barrier offsets the compute warpgroups by half a step, so
 one runs its softmax while the other's matmuls occupy the tensor cores (ping-pong).
 
 Persistent launch (``Geometry.persistent_ctas``): one CTA per SM walks q tiles
-``cta, cta + n, ...``. The ring keeps counting steps across tiles, so the memory
+``cta, cta + n, ...``, or with ``Geometry.balanced`` its row of
+blocks.balanced_order (a causal or window band: computed on the host; segment
+ids: on the device). The ring keeps counting steps across tiles, so the memory
 warpgroup loads the next tile's K/V while the compute warpgroups finish this one;
 each compute warpgroup loads its next Q as soon as its last QK^T product is done
 and stores its output through a separate staging buffer without waiting for the

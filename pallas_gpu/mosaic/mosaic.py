@@ -128,7 +128,7 @@ def _tile_dtype(ops):
 
 def additive_tile(ops, spec, g: Geometry):
   """``(g, tile)``: the bias plus 0 / -inf where the mask is False, padded to
-  ``[B|1, H|1, Sqp, Skp]``, in the bias's dtype (fp32 stays fp32) or the input's,
+  ``[B|1, H|1, Sqp, Skp]``, fp32 for an fp32 bias, else in the inputs' dtype,
   and ``g`` recording it; ``(g, None)`` without bias and mask."""
   if not has_additive_tile(spec):
     return g, None

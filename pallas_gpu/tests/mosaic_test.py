@@ -222,7 +222,8 @@ def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, w
 
 
 @pytest.mark.parametrize("lengths", [
-    (2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled"])
+    (2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled",
+    (64, 64, 128)])  # the last: fewer tiles than CTAs, one round
 @pytest.mark.parametrize("causal", (True, False))
 def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
   """blocks.balanced_order under segment ids (the tiles ordered on the device
@@ -252,15 +253,31 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
     narrow = lambda i, b=b: tuple(int(vis[b, j, i]) for j in range(4))
     _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile, narrow)
     assert steps[t] == int(hi_c) - int(lo_c)
-  assert table.shape[0] == g.num_ctas
+  rounds = -(-g.num_tiles // g.num_ctas)
+  # The kernel may read one entry past a CTA's last tile: a padding column.
+  assert table.shape == (g.num_ctas, 2 + rounds) and not table[:, -1].any()
   seen, loads = [], []
   for row in table:
     tiles = list(row[1:1 + row[0]])
-    assert tiles == sorted(tiles)
+    assert tiles == sorted(tiles) and row[0] >= 1
     seen += tiles
     loads.append(sum(steps[t] + mosaic_blocks.BALANCE_STEP_OVERHEAD for t in tiles))
   assert sorted(seen) == list(range(g.num_tiles))
   assert max(loads) - min(loads) <= steps.max() + mosaic_blocks.BALANCE_STEP_OVERHEAD
+
+
+def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
+  """dS for dbias is bf16 beside a bf16 additive tile, fp32 beside an fp16 one
+  (fp16's range would flush small dS), as the dQ kernel's output type."""
+  from flashjax.pallas_gpu.mosaic import bwd as mosaic_bwd
+  sd = jax.ShapeDtypeStruct
+  for dtype, want in (("bfloat16", jnp.bfloat16), ("float16", jnp.float32)):
+    s = spec_lib.abstract_spec(batch=2, seq_q=256, seq_k=256, heads_q=2, head_dim=128,
+                               dtype=dtype, bias=sd((1, 2, 256, 256), dtype))
+    g = mosaic.backward_geometries(s, mosaic.default_config(s))[0]
+    g = dataclasses.replace(g, bias_dtype=dtype, bias_grad=True)
+    assert mosaic_bwd.ds_dtype(g) == want
+    assert mosaic_bwd._ds_type(g)[0].dtype == want
 
 
 def test_launch_defaults():
