@@ -209,16 +209,25 @@ def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, w
   for tile in range(g.num_q_tiles):
     _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile)
     steps[tile] = int(hi_c) - int(lo_c)
-  cost = lambda t: steps[int(mosaic_blocks.tile_coords(g, int(t))[2])] + (
-      mosaic_blocks.BALANCE_STEP_OVERHEAD)
+  _assert_balanced(table, g, [
+      steps[int(mosaic_blocks.tile_coords(g, t)[2])] + mosaic_blocks.BALANCE_STEP_OVERHEAD
+      for t in range(g.num_tiles)])
+
+
+def _assert_balanced(table, g, cost):
+  """A balanced_order table: a row per CTA of its tile count (at least one),
+  its tiles in increasing order and a zero padding column (the kernel may read
+  one entry past a CTA's last tile); every tile once; and no CTA's load (the
+  sum of ``cost[t]``) above the least loaded one's by more than one tile's."""
+  assert table.shape[0] == g.num_ctas and not table[:, -1].any()
   seen, loads = [], []
   for row in table:
     tiles = list(row[1:1 + row[0]])
-    assert tiles == sorted(tiles)
+    assert tiles == sorted(tiles) and row[0] >= 1
     seen += tiles
-    loads.append(sum(cost(t) for t in tiles))
+    loads.append(sum(cost[t] for t in tiles))
   assert sorted(seen) == list(range(g.num_tiles))
-  assert max(loads) - min(loads) <= max(cost(t) for t in range(g.num_tiles))
+  assert max(loads) - min(loads) <= max(cost)
 
 
 @pytest.mark.parametrize("lengths", [
@@ -253,17 +262,8 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
     narrow = lambda i, b=b: tuple(int(vis[b, j, i]) for j in range(4))
     _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile, narrow)
     assert steps[t] == int(hi_c) - int(lo_c)
-  rounds = -(-g.num_tiles // g.num_ctas)
-  # The kernel may read one entry past a CTA's last tile: a padding column.
-  assert table.shape == (g.num_ctas, 2 + rounds) and not table[:, -1].any()
-  seen, loads = [], []
-  for row in table:
-    tiles = list(row[1:1 + row[0]])
-    assert tiles == sorted(tiles) and row[0] >= 1
-    seen += tiles
-    loads.append(sum(steps[t] + mosaic_blocks.BALANCE_STEP_OVERHEAD for t in tiles))
-  assert sorted(seen) == list(range(g.num_tiles))
-  assert max(loads) - min(loads) <= steps.max() + mosaic_blocks.BALANCE_STEP_OVERHEAD
+  assert table.shape[1] == 2 + -(-g.num_tiles // g.num_ctas)  # count, rounds, pad
+  _assert_balanced(table, g, steps + mosaic_blocks.BALANCE_STEP_OVERHEAD)
 
 
 def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
