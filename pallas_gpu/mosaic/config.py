@@ -42,8 +42,8 @@ class MosaicForward:
     num_stages: K/V shared-memory slots in flight.
     persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
       (False), or None: persistent for the full band (with segment ids too),
-      and for a causal band (no left edge, no ids) of short tiles, ``seq_k * D
-      <= BALANCED_MAX_KEYS_TIMES_DIM``; otherwise one CTA per tile. Rows packed
+      and for a causal band (no left edge, no ids) with ``seq_k <=
+      BALANCED_MAX_KEYS``; otherwise one CTA per tile. Rows packed
       with documents (full band, H200, 2026-11-26): 1.00-1.13x one CTA per
       tile walked in balanced order, 0.75x on documents of mixed lengths
       walking every ``num_ctas``-th tile.
@@ -56,12 +56,12 @@ class MosaicForward:
       B8 S2k and mixed at B1 S16k, so it stays off there.
     balanced: whether a persistent launch over a causal or window band, or
       over segment ids (whose tiles the device orders, since the ids are
-      data), walks the tiles of blocks.balanced_order, longest
-      first to the least loaded CTA, instead of every ``num_ctas``-th tile,
+      data), walks the tiles of blocks.balanced_order (windows of a few
+      heads' tiles, longest first) instead of every ``num_ctas``-th tile,
       whose uneven walks leave CTAs idle (None: it does). On an H200
-      (2026-11-26, causal forward, against one CTA per tile): D = 128 B16 S1k
-      13% faster, B8 S2k 8%, D = 64 B2 S8k H32 5%; but D = 128 B2 S8k 3%
-      slower, B1 S16k 11%, GQA 32:8 B2 S8k 1%, D = 256 B2 S8k 1% (every
+      (2026-11-26, causal forward, against one CTA per tile): D = 128 B8 S2k
+      8-10% faster, B4 S4k 3-5%, B2 S8k 2-5%, B1 S16k even; D = 64 B2 S8k H32
+      8%, B1 S16k 3%; D = 256 B8 S2k to B2 S8k H8 5-7% (every
       ``num_ctas``-th tile: 5-34% slower everywhere).
   """
 
@@ -88,10 +88,10 @@ class MosaicForward:
 
 
 # The default persistent, balanced causal forward's reach (MosaicForward.persistent):
-# on an H200 it paid up to seq_k 2048 at D = 128 and 8192 at D = 64, and lost at
-# 8192 with D = 128 and at D = 256 (2026-11-26). D = 128 at 4096 and D = 256 at
-# 2048 fall inside unmeasured.
-BALANCED_MAX_KEYS_TIMES_DIM = 8192 * 64
+# in the windowed order it paid at every seq_k up to 8192 measured at D = 64, 128
+# and 256, and was even with one CTA per tile at 16384, D = 128 (H200,
+# 2026-11-26, docs/reports/2026-11-26-h200-windowed-balanced-order.md).
+BALANCED_MAX_KEYS = 8192
 
 # The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
 # blocks in two stages beside it in shared memory.

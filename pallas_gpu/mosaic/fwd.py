@@ -10,7 +10,8 @@ one runs its softmax while the other's matmuls occupy the tensor cores (ping-pon
 Persistent launch (``Geometry.persistent_ctas``): one CTA per SM walks q tiles
 ``cta, cta + n, ...``, or with ``Geometry.balanced`` its row of
 blocks.balanced_order (a causal or window band: computed on the host; segment
-ids: on the device). The ring keeps counting steps across tiles, so the memory
+ids: on the device), reading each tile's table entry and walk a tile ahead
+(blocks.walks_ahead). The ring keeps counting steps across tiles, so the memory
 warpgroup loads the next tile's K/V while the compute warpgroups finish this one;
 each compute warpgroup loads its next Q as soon as its last QK^T product is done
 and stores its output through a separate staging buffer without waiting for the
@@ -63,7 +64,7 @@ from . import pipeline
 from .blocks import (Geometry, balanced_order, dropout_col_keys,
                      dropout_keep, dropout_row_keys,
                      positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
-                     unit_walk, windows)
+                     walks_ahead, windows)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
@@ -140,11 +141,12 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
                                   qid_bar.at[wg])
 
+      first, take = walks_ahead(g, n_local, unit, visible)
       load_q(unit(0))
 
-      def tile_body(it, base):
-        u = unit(it)
-        t, whole, part, ranges, lo_c, hi_c = unit_walk(g, u, visible)
+      def tile_body(it, carry):
+        base, ahead = carry
+        _, (t, whole, part, ranges, lo_c, hi_c), ahead = take(it, ahead)
         b_idx, h, tile, r0 = rows_of(t)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
         lo, a, bb, hi = (pick(i) for i in range(4))
@@ -281,7 +283,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
         has_next = it + 1 < n_local
         if separate_o:  # Q is free now: fetch the next tile's during the epilogue
-          pl.when(has_next)(lambda: load_q(unit(it + 1)))
+          pl.when(has_next)(lambda: load_q(ahead[0]))
         has = l > 0.0
         inv = dropout.keep_scale(g.dropout_rate) / jnp.where(has, l, 1.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -323,18 +325,21 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           pl.when(jnp.logical_not(whole))(store_part)
         if not separate_o:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(has_next)(lambda: load_q(unit(it + 1)))
-        return base + (hi_c - lo_c)
+          pl.when(has_next)(lambda: load_q(ahead[0]))
+        return base + (hi_c - lo_c), ahead
 
-      lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
+      lax.fori_loop(0, n_local, tile_body, (jnp.int32(0), first()))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
       plgpu.set_max_registers(pipeline.REGISTERS[1], action="decrease")
 
-      def tile_body(it, base):
-        t, _, _, _, lo_c, hi_c = unit_walk(g, unit(it), visible)
+      first, take = walks_ahead(g, n_local, unit, visible)
+
+      def tile_body(it, carry):
+        base, ahead = carry
+        _, (t, _, _, _, lo_c, hi_c), ahead = take(it, ahead)
         b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
@@ -350,14 +355,14 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
               (k_free, lambda slot: load_k(s, slot)),
               (v_free, lambda slot: load_v(s, slot))))
 
-        return base + (hi_c - lo_c)
+        return base + (hi_c - lo_c), ahead
 
       def with_bias(load, b_idx, h, tile):
         return pipeline.with_tile(load, g, bias_ref, bias_smem, bias_bar, b_idx, h,
                                   lambda w: pl.ds(tile * (2 * bq) + w * bq, bq),
                                   lambda s: pl.ds(s * bk, bk))
 
-      lax.fori_loop(0, n_local, tile_body, jnp.int32(0))
+      lax.fori_loop(0, n_local, tile_body, (jnp.int32(0), first()))
 
   order = None
   if g.balanced:

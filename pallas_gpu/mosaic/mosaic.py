@@ -30,7 +30,7 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BALANCED_MAX_KEYS_TIMES_DIM, BIAS_FORWARD, BIAS_MAX_HEAD_DIM,
+from .config import (BALANCED_MAX_KEYS, BIAS_FORWARD, BIAS_MAX_HEAD_DIM,
                      HEAD_DIMS, OWN_BLOCK_BWD_MAX_HEAD_DIM, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, default_config,
                      backward_tiles_error, has_additive_tile, padded_head_dim,
@@ -73,13 +73,14 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
     # H16 D128) 1.00-1.13x one CTA per tile in two runs; every n-th tile was
     # 0.75x on documents of mixed lengths (docs/reports/
     # 2026-11-26-h200-packed-balanced-forward.md). Causal packed rows keep one
-    # CTA per tile: 0.91-1.09x there, no steady gain.
+    # CTA per tile: balanced, 0.96-1.01x of it, the order's computation on the
+    # device included (2026-11-26-h200-windowed-balanced-order.md).
     persistent = spec.band.is_full
-    # Short causal tiles: the hardware scheduler's start-up per CTA costs more
-    # than a persistent launch's imbalance, once balanced (MosaicForward).
+    # Causal tiles up to 8192 keys: the hardware scheduler's start-up per CTA
+    # costs more than a balanced persistent launch's imbalance (MosaicForward).
     persistent = persistent or (
         spec.band.causal and spec.band.left is None and not spec.has_segment_ids and
-        spec.seq_k * d <= BALANCED_MAX_KEYS_TIMES_DIM)
+        spec.seq_k <= BALANCED_MAX_KEYS)
   # Uneven tiles (a band's, or documents') are balanced; the full band's even
   # ones split their last round instead (split_tail).
   balanced = (persistent and fwd.balanced is not False and

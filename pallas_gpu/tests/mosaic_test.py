@@ -194,9 +194,9 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
 @pytest.mark.parametrize("batch,heads,seq,window", [
     (8, 16, 2048, None), (1, 16, 16384, None), (2, 3, 1000, None), (1, 2, 4096, 300)])
 def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, window):
-  """blocks.balanced_order: every tile once, each CTA's in increasing order,
-  and no CTA's load (kv steps plus the per-tile overhead) above the least
-  loaded one's by more than one tile's."""
+  """blocks.balanced_order: every tile once, each CTA's in window order,
+  no CTA's load (kv steps plus a per-tile overhead) above the least loaded
+  one's by more than one tile's, and each CTA's tiles within the windows."""
   kw = dict(causal=True) if window is None else dict(sliding_window=(window, 0))
   s = spec_lib.abstract_spec(batch=batch, seq_q=seq, seq_k=seq, heads_q=heads,
                              head_dim=128, **kw)
@@ -210,24 +210,51 @@ def test_balanced_order_covers_every_tile_once_and_balances(batch, heads, seq, w
     _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile)
     steps[tile] = int(hi_c) - int(lo_c)
   _assert_balanced(table, g, [
-      steps[int(mosaic_blocks.tile_coords(g, t)[2])] + mosaic_blocks.BALANCE_STEP_OVERHEAD
+      steps[int(mosaic_blocks.tile_coords(g, t)[2])] + TILE_OVERHEAD
       for t in range(g.num_tiles)])
+
+
+TILE_OVERHEAD = 1  # a tile's fixed cost in the loads checked, in kv steps
 
 
 def _assert_balanced(table, g, cost):
   """A balanced_order table: a row per CTA of its tile count (at least one),
-  its tiles in increasing order and a zero padding column (the kernel may read
-  one entry past a CTA's last tile); every tile once; and no CTA's load (the
-  sum of ``cost[t]``) above the least loaded one's by more than one tile's."""
-  assert table.shape[0] == g.num_ctas and not table[:, -1].any()
+  its tiles and a zero padding column (the kernel reads one entry past a CTA's
+  last tile); every tile once; no CTA's load (the sum of ``cost[t]``) above the
+  least loaded one's by more than one tile's; and each CTA's tiles in window
+  order, one per round of the window (blocks.WINDOW_ROUNDS rounds of
+  consecutive tiles), so the CTAs move through the heads together."""
+  assert table.shape == (g.num_ctas, 2 + -(-g.num_tiles // g.num_ctas))
+  assert not table[:, -1].any()
   seen, loads = [], []
+  window = mosaic_blocks.WINDOW_ROUNDS * g.num_ctas
   for row in table:
     tiles = list(row[1:1 + row[0]])
-    assert tiles == sorted(tiles) and row[0] >= 1
+    assert row[0] >= 1 and not row[1 + row[0]:].any()
+    windows = [t // window for t in tiles]
+    assert windows == [r // mosaic_blocks.WINDOW_ROUNDS for r in range(len(tiles))]
     seen += tiles
     loads.append(sum(cost[t] for t in tiles))
   assert sorted(seen) == list(range(g.num_tiles))
   assert max(loads) - min(loads) <= max(cost)
+
+
+@pytest.mark.parametrize("xp", (np, jnp))
+def test_deal_orders_by_window_then_longest_with_either_sort(xp):
+  """blocks._deal sorts the tiles by one int32 key where window and steps fit in
+  it and by a lexsort otherwise: the tables agree, on the host and the device,
+  and follow (window, longest first, tile)."""
+  rng = np.random.default_rng(3)
+  steps = rng.integers(0, 40, 1000).astype(np.int32)
+  one_key = np.asarray(mosaic_blocks._deal(xp.asarray(steps), 24, 40, xp))
+  lexsort = np.asarray(mosaic_blocks._deal(xp.asarray(steps), 24, 2**30, xp))
+  np.testing.assert_array_equal(one_key, lexsort)
+  window = 24 * mosaic_blocks.WINDOW_ROUNDS
+  want = sorted(range(1000), key=lambda t: (t // window, -steps[t], t))
+  w, c = mosaic_blocks.WINDOW_ROUNDS, 7
+  # Window 0 runs its rounds forward, reversed, ...; window 1 reversed, forward.
+  for r, flip in ((0, False), (1, True), (2, False), (w, True), (w + 1, False)):
+    assert one_key[c, 1 + r] == want[r * 24 + (23 - c if flip else c)]
 
 
 @pytest.mark.parametrize("lengths", [
@@ -236,9 +263,9 @@ def _assert_balanced(table, g, cost):
 @pytest.mark.parametrize("causal", (True, False))
 def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
   """blocks.balanced_order under segment ids (the tiles ordered on the device
-  from the ids' visible blocks): every tile once, each CTA's in increasing
-  order, the steps those of the kernel's walk, and no CTA's load above the
-  least loaded one's by more than one tile's."""
+  from the ids' visible blocks): every tile once, each CTA's in window order,
+  the steps those of the kernel's walk, and no CTA's load above the least
+  loaded one's by more than one tile's."""
   rng = np.random.default_rng(1)
   if lengths == "shuffled":  # unsorted ids: a q block's blocks need not be one run
     ids = rng.permutation(np.repeat(np.arange(40), 100))[None].astype(np.int32)
@@ -262,8 +289,7 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
     narrow = lambda i, b=b: tuple(int(vis[b, j, i]) for j in range(4))
     _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, tile, narrow)
     assert steps[t] == int(hi_c) - int(lo_c)
-  assert table.shape[1] == 2 + -(-g.num_tiles // g.num_ctas)  # count, rounds, pad
-  _assert_balanced(table, g, steps + mosaic_blocks.BALANCE_STEP_OVERHEAD)
+  _assert_balanced(table, g, steps + TILE_OVERHEAD)
 
 
 def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
@@ -282,8 +308,8 @@ def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
 
 def test_launch_defaults():
   """Persistent for the full band (with segment ids balanced in the device's
-  order); persistent and balanced for a causal band of short tiles (seq_k * D
-  up to 8192 * 64); one CTA per tile for long causal bands, windows and causal
+  order); persistent and balanced for a causal band up to 8192 keys at any
+  head dim; one CTA per tile for longer causal bands, windows and causal
   segment ids."""
   def geometry(seq, d, **kw):
     s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=2, head_dim=d,
@@ -294,8 +320,9 @@ def test_launch_defaults():
   assert geometry(2048, 128) == (True, False)
   assert geometry(2048, 128, causal=True) == (True, True)
   assert geometry(8192, 64, causal=True) == (True, True)
-  assert geometry(8192, 128, causal=True) == (False, False)
-  assert geometry(2048, 256, causal=True) == (True, True)
+  assert geometry(8192, 128, causal=True) == (True, True)
+  assert geometry(8192, 256, causal=True) == (True, True)
+  assert geometry(16384, 64, causal=True) == (False, False)
   assert geometry(2048, 128, sliding_window=(256, 0)) == (False, False)
   assert geometry(2048, 128, causal=True, segment_ids=ids) == (False, False)
   assert geometry(2048, 128, segment_ids=ids) == (True, True)
