@@ -53,8 +53,8 @@ class Geometry:
   # 0 launches one CTA per q tile.
   persistent_ctas: int = 0
   # Persistent forward over a causal or window band or segment ids: each CTA
-  # walks the tiles balanced_order gives it (longest first across CTAs; from
-  # the ids on the device) instead of every n-th.
+  # walks the tiles balanced_order gives it (in windows of consecutive tiles,
+  # longest first; from the ids on the device) instead of every n-th.
   balanced: bool = False
   # Persistent full-band forward: run the last, partial round of tiles as key
   # ranges (split_tail.py) where the plan says it pays.
@@ -335,8 +335,8 @@ def unit_walk(g: Geometry, u, seg=None):
 
 def walks_ahead(g: Geometry, n_local, unit, seg=None):
   """A persistent forward CTA's work items with their walks read one item
-  ahead: ``(first, take)``. ``first()`` is the loop carry of item 0;
-  ``take(it, carry)`` returns item ``it``'s ``(u, walk)`` (``walk`` as
+  ahead: ``(first, take)``. ``first()`` is the loop carry of item 0 (its
+  first entry the item); ``take(it, carry)`` returns item ``it``'s walk (as
   :func:`unit_walk`'s) and the carry of item ``it + 1``.
 
   ``unit(i)`` (a balanced launch's table entry) and ``seg``'s visible-block
@@ -368,7 +368,7 @@ def walks_ahead(g: Geometry, n_local, unit, seg=None):
     else:  # segment ids run without a split tail: whole tiles only
       t, ranges, lo_c, hi_c = walk
       walk = (t, jnp.bool_(True), _i32(0), ranges, lo_c, hi_c)
-    return u, walk, (u_next, read(u_next), fetch(it + 2))
+    return walk, (u_next, read(u_next), fetch(it + 2))
 
   return first, take
 

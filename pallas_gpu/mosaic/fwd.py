@@ -146,7 +146,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
       def tile_body(it, carry):
         base, ahead = carry
-        _, (t, whole, part, ranges, lo_c, hi_c), ahead = take(it, ahead)
+        (t, whole, part, ranges, lo_c, hi_c), ahead = take(it, ahead)
         b_idx, h, tile, r0 = rows_of(t)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
         lo, a, bb, hi = (pick(i) for i in range(4))
@@ -339,7 +339,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
       def tile_body(it, carry):
         base, ahead = carry
-        _, (t, _, _, _, lo_c, hi_c), ahead = take(it, ahead)
+        (t, _, _, _, lo_c, hi_c), ahead = take(it, ahead)
         b_idx, h, _ = tile_coords(g, t)
         load_k, load_v = pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
