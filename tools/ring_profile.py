@@ -15,10 +15,15 @@ communication (the rest), and the compute split into the attention kernels'
 busy time and the work beside them (all other compute: copies, packing,
 merges), the span with no compute, and the part of it right after a
 device-to-host copy (a conditional's index read by the host before it launches
-the branch: the ring's ``lax.switch`` over devices costs this). Then the first
-call's events of device 0 in time
-order, to see where each transfer sits. XLA flags (``XLA_FLAGS``) change the
-schedule, so run it under each setting to compare.
+the branch: the ring's ``lax.switch`` over devices costs this). Then each
+device's attention kernels of the first call, in order, and the first call's
+events of device 0 in time order, to see where each transfer sits. Before the
+trace, the wall clock of 20 unprofiled back-to-back calls and the part of it
+the host spends before each call returns: where a call returns only when the
+devices are nearly done with it, the host cannot enqueue the next call ahead
+(four H200s, 8k tokens per GPU, 2026-11-26: 8.9 of 9.05 ms per forward and
+backward). XLA flags (``XLA_FLAGS``) change the schedule, so run it under each
+setting to compare.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 
 from tools.launch_gaps import events_by_device, length, union
 
@@ -98,6 +104,29 @@ def overlap(events, n: int = 1) -> dict:
           "after_d2h": after_host_copies(events, comp) / n}
 
 
+def wall_clock_ms(f, args, calls: int = 20):
+  """``(ms per call, ms per call before it returns)`` of ``calls`` unprofiled
+  back-to-back calls of ``f``, as the benchmark CLI times them. Where a call
+  returns only when its devices are nearly done (the host waits for a
+  conditional's index), the host cannot enqueue the next call ahead."""
+  import jax
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    out = f(*args)
+  t1 = time.perf_counter()
+  jax.block_until_ready(out)
+  t2 = time.perf_counter()
+  return (t2 - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
+
+
+def first_call_kernels(events, n: int) -> list:
+  """Durations (us) of the attention kernels of the first of ``n`` calls, in
+  order, from one device's events: hops of equal work whose kernels differ
+  across devices show here (the ring moves at its slowest device per hop)."""
+  kernels = [d for name, _, d in events if is_attention(name)]
+  return kernels[:max(1, len(kernels) // n)]
+
+
 def main(argv):
   import jax
   import jax.numpy as jnp
@@ -130,6 +159,9 @@ def main(argv):
   for label, f, args in (("fwd", fwd, (q, k, v)), ("fwd+bwd", step, (q, k, v, do))):
     for _ in range(2):
       jax.block_until_ready(f(*args))
+    wall, returned = wall_clock_ms(f, args)
+    print(f"{label:8s} wall clock {wall:8.3f} ms per call, of which "
+          f"{returned:.3f} ms to return from the call (20 calls)")
     with tempfile.TemporaryDirectory() as d:
       with jax.profiler.trace(d):
         for _ in range(n_calls):  # back to back, as a training loop runs them
@@ -146,6 +178,9 @@ def main(argv):
             f"exposed {o['exposed']:8.1f}  kernels {o['kernels']:9.1f}  "
             f"beside {o['beside']:8.1f}  no compute {o['no_compute']:8.1f}  "
             f"after D2H {o['after_d2h']:7.1f}")
+    for dev, events in sorted(per_device.items()):
+      print(f"  {label} {dev[:28]} kernels (us): " +
+            " ".join(f"{d:.0f}" for d in first_call_kernels(events, n_calls)))
     first = sorted(per_device)[0]
     events = per_device[first]
     # One call's events: the calls ran one after another, so the first 1/n of

@@ -253,3 +253,19 @@ def test_ring_gpu_runs_picks_counts_and_parts(tmp_path):
                        capture_output=True, env=dict(os.environ, OUT=str(tmp_path),
                                                      RING_PARTS="tests,profile"))
   assert bad.returncode == 2 and "RING_PARTS" in bad.stderr and not bad.stdout
+
+
+def test_ring_profile_lists_the_first_calls_kernels_and_times_calls():
+  from tools import ring_profile
+  # Two calls of two attention kernels each, a fusion between them.
+  events = [("entry_mosaic_gpu_kernel", 0.0, 400.0),
+            ("loop_add_fusion", 400.0, 40.0),
+            ("entry_mosaic_gpu_kernel", 440.0, 1300.0),
+            ("entry_mosaic_gpu_kernel", 2000.0, 410.0),
+            ("entry_mosaic_gpu_kernel", 2410.0, 1310.0)]
+  assert ring_profile.first_call_kernels(events, 2) == [400.0, 1300.0]
+  assert ring_profile.first_call_kernels(events[:1], 2) == [400.0]
+  calls = []
+  wall, returned = ring_profile.wall_clock_ms(lambda x: calls.append(x) or x, (1,),
+                                              calls=3)
+  assert calls == [1, 1, 1] and 0 <= returned <= wall
