@@ -929,22 +929,44 @@ def test_windows_are_read_in_place():
   assert q.shape == d.shape == (2, 256, 4, 128), (q.shape, d.shape)
 
 
+def _assert_within_bf16_ulps(a, b, ulps: int, name: str):
+  """``|a - b|`` at most ``ulps`` bf16 units in the last place of ``|b|``, or of
+  1/64 of ``b``'s largest magnitude where ``|b|`` is smaller (a sum that
+  cancels to a small value moves by its terms' ulps, not its own)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  size = np.maximum(np.abs(b), np.abs(b).max() / 64)
+  exponent = np.floor(np.log2(np.maximum(size, np.finfo(np.float32).tiny)))
+  bound = ulps * np.exp2(np.maximum(exponent, -126) - 7)  # bf16: 7 stored bits
+  worst = np.abs(a - b) / bound
+  assert worst.max() <= 1, (name, float(worst.max()), np.argwhere(worst > 1)[:4])
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("seq_q,causal,head_dim", [
     (256, True, 128), (256, False, 128), (200, True, 128), (256, True, 256)])
 def test_windows_equal_their_slices(seq_q, causal, head_dim):
-  """Outputs, lse and gradients from windows read in place equal those of the
-  same windows sliced out, bit for bit (the kernels run the same arithmetic),
-  and the reference's; at D = 256 through the backward's shared blocks, whose
-  copies take column halves of the windows."""
+  """Outputs and lse from windows read in place equal those of the same windows
+  sliced out bit for bit (the kernels run the same arithmetic on the same
+  data), gradients within two bf16 ulps, and all equal the reference's; at
+  D = 256 through the backward's shared blocks, whose copies take column halves
+  of the windows. The gradients' kernels take the rows' delta = rowsum(dO *
+  out), an XLA reduction of the two programs' own fusions, whose summation
+  order XLA's autotuning picks per compilation: at D = 256 on an H200
+  (2026-11-26) it differed between the two programs in 3 of 4 processes (1004
+  of 2048 deltas, then 2 dq and 1 dk elements of 524,288 one or two ulps
+  apart), and in none of 4 with --xla_gpu_autotune_level=0. A window read at
+  the wrong offset is off by far more than two ulps."""
   from flashjax.common import reference, rows
   ops, spec, static, do, dlse = _windows(seq_q, causal, head_dim)
   run = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse))
   got = run(ops, do)
   want = run(*rows.materialize((ops, do)))
-  for a, b in zip(got, want):
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if name in ("out", "lse"):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    else:
+      _assert_within_bf16_ulps(a, b, 2, name)
   q, k, v, d = (x.array().astype(jnp.float32) for x in (ops.q, ops.k, ops.v, do))
   (ref_out, ref_lse), pull = jax.vjp(
       lambda q, k, v: reference.attention(q, k, v, causal=causal, return_lse=True),
