@@ -1,9 +1,10 @@
 """Does each ring hop's transfer hide under the previous hop's kernels?
 
-  python -m tools.ring_profile S [B,H,D] [LAYOUT] [N]
+  python -m tools.ring_profile S [B,H,D] [LAYOUT] [N] [MASK]
 
-Runs the causal ring (``ring_attention`` in ``shard_map`` over every device,
-LAYOUT zigzag by default, bf16) forward and forward+backward N times (default 5)
+Runs the ring (``ring_attention`` in ``shard_map`` over every device, LAYOUT
+zigzag by default, MASK causal by default or full, bf16) forward and
+forward+backward N times (default 5)
 under ``jax.profiler`` and reads the trace's device events per GPU. Collective
 kernels (NCCL's, by name) and peer copies are the communication, every other
 event the compute.
@@ -23,7 +24,9 @@ the host spends before each call returns: where a call returns only when the
 devices are nearly done with it, the host cannot enqueue the next call ahead
 (four H200s, 8k tokens per GPU, 2026-11-26: 8.9 of 9.05 ms per forward and
 backward). XLA flags (``XLA_FLAGS``) change the schedule, so run it under each
-setting to compare.
+setting to compare. A full mask makes every device's hops the same calls, with
+no ``lax.switch`` (contiguous layout): set against the causal ring's wall clock,
+it shows what the switches' host reads cost.
 """
 
 from __future__ import annotations
@@ -139,6 +142,9 @@ def main(argv):
                                              else "1,16,128").split(","))
   layout = argv[2] if len(argv) > 2 else "zigzag"
   n_calls = int(argv[3]) if len(argv) > 3 else 5
+  mask = argv[4] if len(argv) > 4 else "causal"
+  if mask not in ("causal", "full"):
+    raise SystemExit(f"MASK is causal or full, got {mask!r}")
   devices = jax.devices()
   mesh = Mesh(np.array(devices), ("seq",))
   sh = NamedSharding(mesh, P(None, "seq"))
@@ -147,14 +153,14 @@ def main(argv):
       x, (batch, seq, heads, head_dim), jnp.bfloat16), sh) for x in ks)
   attend = jax.shard_map(
       lambda q, k, v: flashjax.ring_attention(q, k, v, axis_name="seq",
-                                              layout=layout, causal=True),
+                                              layout=layout, causal=mask == "causal"),
       mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"),
       check_vma=False)
   fwd = jax.jit(attend)
   step = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(
       attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
   print(f"{len(devices)} x {devices[0].device_kind}, S {seq}, B,H,D {batch},{heads},"
-        f"{head_dim}, {layout}, "
+        f"{head_dim}, {layout}, {mask}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   for label, f, args in (("fwd", fwd, (q, k, v)), ("fwd+bwd", step, (q, k, v, do))):
     for _ in range(2):

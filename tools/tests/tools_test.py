@@ -269,3 +269,33 @@ def test_ring_profile_lists_the_first_calls_kernels_and_times_calls():
   wall, returned = ring_profile.wall_clock_ms(lambda x: calls.append(x) or x, (1,),
                                               calls=3)
   assert calls == [1, 1, 1] and 0 <= returned <= wall
+
+
+def test_ring_profile_full_mask_runs_the_ring_without_switches():
+  # A full mask gives every device the same call at every hop (one branch, no
+  # lax.switch), which is what the MASK argument compares against the causal
+  # ring; the tool runs on fake CPU devices (no GPU events to read there).
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  from flashjax.common import ring
+  from flashjax.common.mask import Band
+  for layout in ("contiguous", "zigzag"):
+    plan = ring.RingPlan(axis_name="seq", num_shards=4, layout=layout,
+                         band=Band(seq_q=64, seq_k=64))
+    chunk = 16 // plan.num_chunks
+    for hop in range(4):
+      assert len({plan.hop_calls(r, hop, chunk, chunk) for r in range(4)}) == 1
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "tools.ring_profile", "64", "1,2,16", *args],
+      cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  done = run("contiguous", "1", "full")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "contiguous, full" in done.stdout
+  assert done.stdout.count("wall clock") == 2 and "no GPU events" in done.stdout
+  bad = run("contiguous", "1", "sliding")
+  assert bad.returncode != 0 and "MASK is causal or full" in bad.stderr
