@@ -1,6 +1,6 @@
 """Time of the zigzag ring's hop shapes alone on one GPU (8k rows per GPU):
 
-  CUDA_VISIBLE_DEVICES=0 python3 docs/reports/2026-11-26-h200x4-ring-host-pacing-hop-shapes.py
+  CUDA_VISIBLE_DEVICES=0 python3 docs/reports/2026-11-26-h200x4-ring-budget-hop-shapes.py
 """
 import os
 import jax, jax.numpy as jnp
