@@ -24,10 +24,11 @@ of the devices the host was when the last of them returned: while that lead
 is shorter than the work between a call's last host read (a conditional's
 index) and its end, the host cannot hide the next call's launch (four H200s,
 8k tokens per GPU, 2026-11-26: 9.05 ms per forward and backward, the host
-3.0 ms ahead; 2.13 ms per forward, 0.54 ms ahead). XLA flags (``XLA_FLAGS``) change the schedule, so run it under each
-setting to compare. A full mask makes every device's hops the same calls, with
-no ``lax.switch`` (contiguous layout): set against the causal ring's wall clock,
-it shows what the switches' host reads cost.
+3.0 ms ahead; 2.13 ms per forward, 0.54 ms ahead). XLA flags (``XLA_FLAGS``)
+change the schedule, so run it under each setting to compare. A full mask
+makes every device's hops the same calls in either layout, with no
+``lax.switch``: set against the causal ring's wall clock, it shows what the
+switches' host reads cost.
 """
 
 from __future__ import annotations
@@ -108,7 +109,10 @@ def overlap(events, n: int = 1) -> dict:
           "after_d2h": after_host_copies(events, comp) / n}
 
 
-def wall_clock_ms(f, args, calls: int = 20):
+WALL_CLOCK_CALLS = 20
+
+
+def wall_clock_ms(f, args, calls: int = WALL_CLOCK_CALLS):
   """``(ms per call, ms the host was ahead)`` of ``calls`` unprofiled
   back-to-back calls of ``f``, as the benchmark CLI times them: the wall clock
   per call, and the time from the last call's return to the end of its work
@@ -167,7 +171,8 @@ def main(argv):
     for _ in range(2):
       jax.block_until_ready(f(*args))
     wall, ahead = wall_clock_ms(f, args)
-    print(f"{label:8s} wall clock {wall:8.3f} ms per call (20 calls), the host "
+    print(f"{label:8s} wall clock {wall:8.3f} ms per call ({WALL_CLOCK_CALLS} "
+          f"calls), the host "
           f"{ahead:.3f} ms ahead of the devices at the last return")
     with tempfile.TemporaryDirectory() as d:
       with jax.profiler.trace(d):
