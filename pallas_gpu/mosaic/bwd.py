@@ -489,6 +489,11 @@ def _band_walk(body, skip, carry, lo_c, ranges, hi_c):
 
 
 def _launch(entry, out_type, grid, grid_names):
+  """Mosaic GPU puts a grid's last axis on CUDA's x, which the hardware
+  schedules fastest: with tiles last, the CTAs in flight walk one head's
+  operands together and keep them in L2 (with batch last they spanned every
+  head: 15 GB of DRAM reads in an H200 profile of the single-pass backward at
+  B2 S8k, 0.44 GB with tiles last, 2026-11-27)."""
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=3, thread_name="wg",
@@ -562,7 +567,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
 
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
-                 (g.num_kv_tiles, g.heads_q, g.batch), ("kt", "h", "b"))(
+                 (g.batch, g.heads_q, g.num_kv_tiles), ("b", "h", "kt"))(
                      q, k, v, do, stats, *_optional(seed, bias), *_dkv_ids(segments))
 
 
@@ -878,7 +883,7 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
 
   q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
   res = _launch(entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
-                (g.num_q_tiles, g.heads_q, g.batch), ("qt", "h", "b"))(
+                (g.batch, g.heads_q, g.num_q_tiles), ("b", "h", "qt"))(
                     q, k, v, do, stats, *_optional(seed, bias), *segments)
   return res[0], (res[1] if g.bias_grad else None)
 
