@@ -39,14 +39,14 @@ FORWARD = {
 LAUNCH = (dict(persistent=None), dict(persistent=True), dict(persistent=False),
           dict(persistent=True, split_tail=True), dict(persistent=True, split_tail=False),
           dict(persistent=True, balanced=False))
-# Backward variants of the forward winner: (kernel, fields), kernel "" for the
-# config's own fields.
+# Backward variants of the forward winner: (kernel, fields), "launch" for the
+# other of one launch and two.
 BACKWARD = (("dq", dict(block_kv=128)), ("dq", dict(num_stages=3)),
             ("dkv", dict(num_stages=3)), ("dkv", dict(block_q=128)),
-            ("", dict(bwd_one_launch=False)))
+            ("launch", {}))
 # Above D = 128 or with an additive tile the default tiles fill shared memory
 # (config.fixed_backward_tiles): only the launch varies.
-BACKWARD_FIXED = (("", dict(bwd_one_launch=False)),)
+BACKWARD_FIXED = (("launch", {}),)
 
 
 CACHE = common.JsonCache("pallas_mosaic_gpu", to_json,
@@ -67,8 +67,8 @@ def backward_candidates(spec, best: MosaicConfig):
     return []
 
   def vary(kernel, fields):
-    if not kernel:
-      return dataclasses.replace(best, **fields)
+    if kernel == "launch":
+      return dataclasses.replace(best, bwd_one_launch=not best.bwd_one_launch)
     return configs.with_part(best, kernel, **fields)
 
   fixed = fixed_backward_tiles(spec) is not None

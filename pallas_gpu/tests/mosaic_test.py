@@ -344,6 +344,27 @@ def test_split_tail_default_where_it_was_measured_to_pay():
   assert not mosaic.default_config(s(256, 8192)).fwd.split_tail
 
 
+def test_two_launch_backward_default_where_it_was_measured_to_pay():
+  """Two backward launches by default for the full band at D = 128 from 8192
+  keys, without an additive tile or dropout (H200, 2026-11-27); one launch
+  elsewhere."""
+  def one_launch(seq, d=128, **kw):
+    s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=4, head_dim=d,
+                               **kw)
+    return mosaic.default_config(s).bwd_one_launch
+  sd = jax.ShapeDtypeStruct
+  assert not one_launch(8192)
+  assert not one_launch(16384, segment_ids=(sd((1, 16384), jnp.int32),) * 2)
+  assert not one_launch(8192, d=96)  # padded to 128
+  assert one_launch(4096)
+  assert one_launch(8192, causal=True)
+  assert one_launch(8192, sliding_window=(512, 512))
+  assert one_launch(8192, d=64)
+  assert one_launch(8192, d=256)
+  assert one_launch(8192, dropout_rate=0.1)
+  assert one_launch(8192, bias=sd((1, 4, 8192, 8192), jnp.bfloat16))
+
+
 def test_split_tail_applies_to_the_persistent_full_band_only():
   g = _tail_geometry(2, 16, 8192, 8192, 132)
   assert mosaic_blocks.tail_plan(g) == mosaic_blocks.split_tail.Tail(1980, 68, 5)
@@ -721,6 +742,10 @@ def test_autotune_candidates_are_valid_per_head_dim():
     # Above D = 128 only the launch varies: larger tiles do not fit.
     bwd = mosaic_autotune.backward_candidates(s, base)
     assert len(bwd) == (5 if d <= 128 else 1)
+    # The launch candidate is the other of one launch and two.
+    assert [c.bwd_one_launch for c in bwd].count(not base.bwd_one_launch) == 1
+    two = dataclasses.replace(base, bwd_one_launch=False)
+    assert any(c.bwd_one_launch for c in mosaic_autotune.backward_candidates(s, two))
     if d > 128 or d == 64:
       s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=1024, heads_q=4,
                                  head_dim=d, dtype="bfloat16",
