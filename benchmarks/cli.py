@@ -33,6 +33,10 @@ def _parser():
   p.add_argument("--shapes", help="comma-separated shape sets "
                  f"({', '.join(shapes_lib.SHAPE_SETS)}); default: standard on "
                  "GPU, cpu on CPU")
+  p.add_argument("--shape-names", metavar="PREFIXES",
+                 help="comma-separated shape name prefixes: run only the shapes "
+                 "of --shapes whose names start with one (e.g. B1-8x2048, to "
+                 "split a long set over several runs)")
   p.add_argument("--impls", help="comma-separated implementations "
                  f"({', '.join(impls.IMPLS)}); default: all for this backend")
   p.add_argument("--directions", default="fwd,bwd,fwd_bwd",
@@ -123,11 +127,20 @@ def ring_mode(args, on_cpu: bool) -> int:
   return 1 if any(r.error for r in rows) else 0
 
 
-def shape_list(set_names):
+def shape_list(set_names, prefixes=None):
   """The shapes of the named sets, each once: sets share shapes (standard,
   head_dim and gqa all hold B2-S8k-H16-D128), and a shape run twice paired each
-  row's ratio with the other run's baseline."""
-  return list({s.name: s for name in set_names for s in shapes_lib.get(name)}.values())
+  row's ratio with the other run's baseline. With ``prefixes``, only the shapes
+  whose names start with one of them; ``SystemExit`` naming the prefixes and the
+  sets' shapes where none does."""
+  out = list({s.name: s for name in set_names for s in shapes_lib.get(name)}.values())
+  if prefixes is None:
+    return out
+  kept = [s for s in out if any(s.name.startswith(p) for p in prefixes)]
+  if not kept:
+    raise SystemExit(f"--shape-names {','.join(prefixes)!r} matches no shape of "
+                     f"{','.join(set_names)}: {', '.join(s.name for s in out)}")
+  return kept
 
 
 def output_dir(out: str | None) -> str:
@@ -164,7 +177,8 @@ def main(argv=None):
   for d in directions:
     if d not in timing.DIRECTIONS:
       raise SystemExit(f"unknown direction {d!r}; known: {timing.DIRECTIONS}")
-  shapes = shape_list(shape_sets)
+  shapes = shape_list(shape_sets, args.shape_names.split(",")
+                      if args.shape_names else None)
   env = report.environment()
   print(f"device: {env['device']} ({backend}), jax {env['jax']}, {env['date']}, "
         f"dtype {dtype.name}, baseline {baseline}", flush=True)

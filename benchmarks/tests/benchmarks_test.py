@@ -105,6 +105,29 @@ def test_overlapping_shape_sets_run_each_shape_once():
   assert names[:6] == [s.name for s in get("standard")]
 
 
+def test_shape_names_keep_the_shapes_they_prefix():
+  from flashjax.benchmarks import cli
+  names = [s.name for s in cli.shape_list(["packed"], ["B1-8x2048", "B1-mixed"])]
+  assert names == ["B1-8x2048-H16-D128", "B1-mixed16k-H16-D128",
+                   "B1-8x2048-H16-D128-causal", "B1-mixed16k-H16-D128-causal"]
+  with pytest.raises(SystemExit, match="--shape-names 'B9' matches no shape of "
+                     "packed: B1-8x2048-H16-D128"):
+    cli.shape_list(["packed"], ["B9"])
+
+
+def test_cli_runs_only_the_named_shapes(tmp_path, capsys):
+  every = [s.name for s in cli.shape_list(["quick"])]
+  want = [n for n in every if n.endswith("-causal")][:1]
+  assert want and len(every) > 1
+  rc = cli.main(["--shapes", "quick", "--shape-names", want[0], "--impls", "xla",
+                 "--directions", "fwd", "--iters", "1", "--repeats", "1",
+                 "--out", str(tmp_path), "--no-plot", "--memory-sweep", ""])
+  assert rc == 0
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["shape"] for r in rows] == want
+
+
 def test_interleaved_timing_rotates_rounds_and_reports_failures(monkeypatch):
   from flashjax.common import timer
   order = []
