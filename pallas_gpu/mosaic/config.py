@@ -208,22 +208,25 @@ def default_config(spec) -> MosaicConfig:
   return MosaicConfig(fwd=fwd, bwd_one_launch=not two_launch_backward(spec))
 
 
-# From this many keys a full-band D = 128 backward runs as two launches.
+# From this many queries and keys a full-band D = 128 backward runs as two
+# launches.
 TWO_LAUNCH_MIN_KEYS = 8192
 
 
 def two_launch_backward(spec) -> bool:
   """Whether the default backward runs the dQ and dK/dV kernels as two launches:
-  over the full band at D = 128 with at least ``TWO_LAUNCH_MIN_KEYS`` keys, no
-  additive tile and no dropout. On an H200 (2026-11-27, fwd+bwd, three runs)
-  two launches were 1.3-3.4% faster there (B2 S8k, B1 S16k, GQA 32:8 B2 S8k;
-  0.7% on one run of a 16k row packed with 8 documents).
+  over the full band at D = 128 with at least ``TWO_LAUNCH_MIN_KEYS`` queries
+  and keys, no additive tile and no dropout. On an H200 (2026-11-27, fwd+bwd,
+  three runs) two launches were 1.3-3.4% faster there (B2 S8k, B1 S16k, GQA
+  32:8 B2 S8k; 0.7% on one run of a 16k row packed with 8 documents).
   Elsewhere they were within -3.0%..+2.1% of one launch: causal bands, B8 S2k,
-  D = 64 and packed causal rows. So those keep one launch, as do calls with an
-  additive tile or dropout, which were not measured."""
+  D = 64 and packed causal rows; and 1.7-2.0% slower at B1 H16 with 4096
+  queries and 8192 keys (two runs, a ring hop's call). So those keep one
+  launch, as do calls with an additive tile or dropout, which were not
+  measured."""
   return (padded_head_dim(spec) == 128 and spec.band.is_full
-          and spec.seq_k >= TWO_LAUNCH_MIN_KEYS and not has_additive_tile(spec)
-          and not spec.dropout_rate)
+          and min(spec.seq_q, spec.seq_k) >= TWO_LAUNCH_MIN_KEYS
+          and not has_additive_tile(spec) and not spec.dropout_rate)
 
 
 def has_additive_tile(spec) -> bool:

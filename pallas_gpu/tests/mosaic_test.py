@@ -346,14 +346,17 @@ def test_split_tail_default_where_it_was_measured_to_pay():
 
 def test_two_launch_backward_default_where_it_was_measured_to_pay():
   """Two backward launches by default for the full band at D = 128 from 8192
-  keys, without an additive tile or dropout (H200, 2026-11-27); one launch
-  elsewhere."""
-  def one_launch(seq, d=128, **kw):
-    s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=4, head_dim=d,
-                               **kw)
+  queries and keys, without an additive tile or dropout (H200, 2026-11-27);
+  one launch elsewhere."""
+  def one_launch(seq, d=128, seq_q=None, **kw):
+    s = spec_lib.abstract_spec(batch=1, seq_q=seq_q or seq, seq_k=seq, heads_q=4,
+                               head_dim=d, **kw)
     return mosaic.default_config(s).bwd_one_launch
   sd = jax.ShapeDtypeStruct
   assert not one_launch(8192)
+  assert not one_launch(8192, seq_q=16384)
+  assert one_launch(8192, seq_q=4096)
+  assert one_launch(4096, seq_q=8192)
   assert not one_launch(16384, segment_ids=(sd((1, 16384), jnp.int32),) * 2)
   assert not one_launch(8192, d=96)  # padded to 128
   assert one_launch(4096)
