@@ -115,3 +115,29 @@ def test_assert_matches_checks_both_the_one_device_call_and_the_reference():
     tolerances.assert_matches(x, x + 0.5, x, tol, name="out")
   with pytest.raises(AssertionError, match="out vs ref"):
     tolerances.assert_matches(x, x, x + 0.5, tol, name="out")
+
+
+def test_second_run_must_be_bit_identical_on_a_device(monkeypatch):
+  """An implementation whose runs differ (as a race would make them) fails where
+  the suite runs on a device; on the CPU, whose platforms run serially, the
+  suite does not run it twice."""
+  from jax.experimental import io_callback
+  runs = []
+
+  def tick():
+    runs.append(None)
+    return np.float32(len(runs) - 1)
+
+  def drifting(q, k, v, **kwargs):
+    out, lse = dense_attention(q, k, v, **kwargs)
+    drift = io_callback(tick, jax.ShapeDtypeStruct((), jnp.float32), ordered=True)
+    return out + 1e-6 * drift, lse
+
+  suite = _Broken(drifting)
+  object.__setattr__(suite, "CAPS", conformance.Capabilities(
+      name="drifting", features=frozenset(conformance.FEATURES) - {"sinks"}))
+  suite.check(conformance.Case())
+  assert runs == [None]
+  monkeypatch.setattr(conformance.jax, "default_backend", lambda: "gpu")
+  with pytest.raises(AssertionError, match="differs between two runs"):
+    suite.check(conformance.Case())
