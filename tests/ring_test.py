@@ -155,7 +155,10 @@ FOUR = PRELUDE + textwrap.dedent("""
     check("zigzag", causal=True, dtype=jnp.bfloat16)
     check("zigzag", sliding_window=(20, 3), dropout_rate=0.2, dropout_seed=3,
           dtype=jnp.bfloat16)
+    print("OK")
+""")
 
+FOUR_IN_PLACE = PRELUDE + textwrap.dedent("""
     # A platform that reads its operands in place (rows.takes_rows, as the
     # Mosaic kernels do) gets the forward's K and V as windows of the hop's
     # message and a chunk's q rows as windows of q; the results stay exact.
@@ -195,7 +198,10 @@ FOUR = PRELUDE + textwrap.dedent("""
     # Window bounds of single hops lie off the diagonal (left -12, right -13).
     check("contiguous", platform="pallas-triton", check_vma=False,
           sliding_window=(20, 3), sinks="sinks")
+    print("OK")
+""")
 
+FOUR_AUTO = PRELUDE + textwrap.dedent("""
     # Automatic: under jit, flash_attention on inputs split along the sequence
     # (an Explicit mesh axis) runs the ring, with batch split on another axis.
     from jax.sharding import AxisType, NamedSharding
@@ -317,8 +323,17 @@ def test_ring_three_devices():
   _run(THREE, 3)
 
 
+# Three scripts, so that test workers can share them.
 def test_ring_four_devices():
   _run(FOUR, 4)
+
+
+def test_ring_four_devices_in_place_and_pallas_triton():
+  _run(FOUR_IN_PLACE, 4)
+
+
+def test_ring_four_devices_automatic_and_auto_mesh():
+  _run(FOUR_AUTO, 4)
 
 
 def test_ring_eight_devices():
