@@ -19,3 +19,9 @@ def positive_int(name: str) -> int | None:
     raise ValueError(f"environment variable {name} must be a positive int, got "
                      f"{os.environ[name]!r}")
   return value
+
+
+def with_xla_flags(*flags: str) -> str:
+  """``XLA_FLAGS`` of this process with ``flags`` appended: the value to give a
+  subprocess, so that it keeps the flags its parent runs under."""
+  return " ".join([os.environ.get("XLA_FLAGS", "").strip(), *flags]).strip()

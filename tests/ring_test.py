@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import flashjax
 from flashjax.common import hardware, reference
+from flashjax.common.env import with_xla_flags
 from flashjax.common.mask import Band, band_allowed
 
 PRELUDE = textwrap.dedent("""
@@ -307,7 +308,8 @@ EIGHT = PRELUDE + textwrap.dedent("""
 
 
 def _run(script, n):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+  env = dict(os.environ,
+             XLA_FLAGS=with_xla_flags(f"--xla_force_host_platform_device_count={n}"),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", script.format(n=n)], env=env,
                         capture_output=True, text=True, timeout=900)

@@ -15,6 +15,7 @@ import jax
 import pytest
 
 from flashjax.common import hardware
+from flashjax.common.env import with_xla_flags
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -92,7 +93,8 @@ CASES = [
 
 
 def _run(platform, spec, kwargs, expect_gather=False):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ,
+             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
              JAX_PLATFORMS="cpu")
   script = SCRIPT.format(spec=spec, platform=platform, kwargs=kwargs,
                          expect_gather=expect_gather)
@@ -133,7 +135,8 @@ VMAP_SCRIPT = textwrap.dedent("""
 
 
 def test_vmap_of_kernel_platform_on_many_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ,
+             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
              JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-c", VMAP_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
@@ -198,7 +201,8 @@ EDGE_SCRIPT = textwrap.dedent("""
 
 
 def test_mqa_gqa_and_tpu_interpret_with_sharded_inputs():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ,
+             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
              JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-c", EDGE_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
@@ -256,7 +260,8 @@ JVP_SCRIPT = textwrap.dedent("""
 
 
 def test_jvp_of_sharded_inputs_runs_per_shard():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ,
+             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
              JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-c", JVP_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
