@@ -2,7 +2,6 @@
 (B1 H16 D128 bf16, 8k tokens per GPU): 8192 x 4096 and 4096 x 8192 full bands, the
 own block (8192 causal), and 4096 x 4096; fwd+bwd (jax.grad) in interleaved rounds,
 and the default forward alone."""
-import dataclasses
 import jax, jax.numpy as jnp
 from flashjax.common.timer import time_interleaved_ms
 from flashjax.pallas_gpu import mosaic

@@ -210,12 +210,12 @@ def default_config(spec) -> MosaicConfig:
 
 # From this many queries and keys a full-band D = 128 backward runs as two
 # launches.
-TWO_LAUNCH_MIN_KEYS = 8192
+TWO_LAUNCH_MIN_LENGTH = 8192
 
 
 def two_launch_backward(spec) -> bool:
   """Whether the default backward runs the dQ and dK/dV kernels as two launches:
-  over the full band at D = 128 with at least ``TWO_LAUNCH_MIN_KEYS`` queries
+  over the full band at D = 128 with at least ``TWO_LAUNCH_MIN_LENGTH`` queries
   and keys, no additive tile and no dropout. On an H200 (2026-11-27, fwd+bwd,
   three runs) two launches were 1.3-3.4% faster there (B2 S8k, B1 S16k, GQA
   32:8 B2 S8k; 0.7% on one run of a 16k row packed with 8 documents).
@@ -225,7 +225,7 @@ def two_launch_backward(spec) -> bool:
   launch, as do calls with an additive tile or dropout, which were not
   measured."""
   return (padded_head_dim(spec) == 128 and spec.band.is_full
-          and min(spec.seq_q, spec.seq_k) >= TWO_LAUNCH_MIN_KEYS
+          and min(spec.seq_q, spec.seq_k) >= TWO_LAUNCH_MIN_LENGTH
           and not has_additive_tile(spec) and not spec.dropout_rate)
 
 
