@@ -5,10 +5,20 @@ multiplication, xor and logical shifts, which XLA, Pallas (TPU and GPU) and Trit
 all provide with the same semantics. No RNG state: the backward recomputes the same
 mask from the same coordinates, and the reference reproduces a kernel exactly.
 
-The mixer is the 32-bit finaliser of MurmurHash3 (a bijection with full avalanche);
-coordinates are folded in one at a time, each scaled by an odd constant first so that
-neighbouring indices land far apart. ``b`` is the global batch index, ``h`` the global
-*query* head index, ``i``/``j`` the query/key positions.
+The row key of (seed, b, h, i) folds the coordinates in one at a time, each scaled
+by an odd constant first so that neighbouring indices land far apart, through the
+32-bit finaliser of MurmurHash3 (a bijection with full avalanche). ``b`` is the
+global batch index, ``h`` the global *query* head index, ``i``/``j`` the
+query/key positions.
+
+Each element then mixes its row key with its key's term by two multiply-xorshift
+rounds (:func:`mix_element`) rather than a fourth finaliser: the row key is already
+random, and the kernels hash once per element, where the integer work bounds a
+Hopper forward's speed: on an H200 (2026-11-27) the Mosaic forward with dropout ran
+1.24x faster than with the finaliser per element, the triton one 1.19-1.28x. Two
+rounds keep the statistics of the full finaliser (keep rate, neighbour and
+rectangle correlations, row and column sum variances on 2048 x 2048 masks); one
+round did not (column pairs correlated at 13 sigma; tests/dropout_test.py).
 
 The keep test compares the top 24 bits of the hash with a 24-bit threshold: both
 are below 2**24, so a backend that compares 32-bit integers as signed (Triton's
@@ -47,6 +57,18 @@ def fmix32(x):
   return x ^ (x >> 16)
 
 
+_MIX_1 = 0x9E3779B1
+_MIX_2 = 0xC2B2AE35
+
+
+def mix_element(x):
+  """Two multiply-xorshift rounds on uint32 ``row ^ col``; the keep test reads
+  the top 24 bits, which both products fill from every bit below."""
+  x = x * jnp.uint32(_MIX_1)
+  x = x ^ (x >> 15)
+  return x * jnp.uint32(_MIX_2)
+
+
 def row_key(seed, b, h, i):
   """uint32 key of one query row; broadcasts over its arguments."""
   x = fmix32(_u32(seed) ^ (_u32(b) * jnp.uint32(_K_BATCH)))
@@ -79,7 +101,7 @@ def keep_from_keys(row, col, rate: float, unsigned_compare: bool = False):
   same decision as ``bits >= threshold * 2**8`` on the whole uint32, one shift
   fewer per element, for a backend known to compare uint32 unsigned (Mosaic-GPU,
   where the hash bounds the kernel's speed)."""
-  bits = fmix32(row ^ col)
+  bits = mix_element(row ^ col)
   if unsigned_compare:
     return bits >= jnp.uint32(threshold(rate) << 8)
   top = jax.lax.bitcast_convert_type(bits >> 8, jnp.int32)
@@ -147,10 +169,15 @@ def keep_numpy(seed: int, b, h, i, j, rate: float) -> np.ndarray:
     x = x * np.uint32(_FMIX_2)
     return x ^ (x >> np.uint32(16))
 
+  def element(x):
+    x = x * np.uint32(_MIX_1)
+    x = x ^ (x >> np.uint32(15))
+    return x * np.uint32(_MIX_2)
+
   u = lambda a: np.asarray(a).astype(np.uint32)
   with np.errstate(over="ignore"):
     x = mix(np.uint32(seed & 0xFFFFFFFF) ^ (u(b) * np.uint32(_K_BATCH)))
     x = mix(x ^ (u(h) * np.uint32(_K_HEAD)))
     x = mix(x ^ (u(i) * np.uint32(_K_ROW)))
-    bits = mix(x ^ (u(j) * np.uint32(_K_COL)))
+    bits = element(x ^ (u(j) * np.uint32(_K_COL)))
   return (bits >> np.uint32(8)).astype(np.int64) >= threshold(rate)

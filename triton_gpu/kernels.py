@@ -39,6 +39,14 @@ def _fmix(x):
 
 
 @triton.jit
+def _mix_element(x):
+  # common/dropout.mix_element: two multiply-xorshift rounds.
+  x = x * 0x9E3779B1
+  x = x ^ (x >> 15)
+  return x * 0xC2B2AE35
+
+
+@triton.jit
 def _row_keys(Seed, b, h, rows):
   """uint32 key per query row at global (batch, head, row): local ids plus the
   offsets in ``Seed[1:4]`` (``dropout.kernel_seed(..., positions=True)``)."""
@@ -56,7 +64,7 @@ def _keep(Seed, keys, cols, THRESH: tl.constexpr):
   """Keep-mask of row keys and local key positions (broadcast against each
   other); ``Seed[4]`` is the global offset of the keys."""
   cols = cols + tl.load(Seed + 4)
-  bits = _fmix(keys ^ (cols.to(tl.uint32) * 0x27D4EB2F))
+  bits = _mix_element(keys ^ (cols.to(tl.uint32) * 0x27D4EB2F))
   return (bits >> 8).to(tl.int32, bitcast=True) >= THRESH
 
 

@@ -73,3 +73,37 @@ def test_rate_zero_keeps_everything_and_bad_rate_raises():
 def test_keep_scale_restores_the_expectation():
   assert dropout.keep_scale(0.0) == 1.0 and dropout.keep_scale(0.2) == 1.0 / 0.8
   assert dropout.keep_scale(0.75) == 4.0
+
+
+def _mask_statistics(rate, seed=11, rows=2048, cols=256):
+  """Of a ``[rows, cols]`` mask of one (batch, head): the largest |correlation|
+  of two columns, and the row sums' and column sums' variances over a binomial's."""
+  key = dropout.row_key(jnp.uint32(seed), 0, 0, jnp.arange(rows, dtype=jnp.uint32))
+  col = dropout.col_key(jnp.arange(cols, dtype=jnp.uint32))
+  x = np.asarray(dropout.keep_from_keys(key[:, None], col[None, :], rate), np.float64)
+  c = np.corrcoef(x.T)
+  np.fill_diagonal(c, 0.0)
+  q = 1.0 - rate
+  return (np.abs(c).max(), x.sum(1).var() / (cols * q * (1 - q)),
+          x.sum(0).var() / (rows * q * (1 - q)))
+
+
+# Independent draws: a column pair's correlation over 2048 rows has sd 0.022, so
+# the largest of 32640 pairs sits near 0.1; 0.15 and a variance ratio off by 0.25
+# (about 8 sd over 2048 or 256 sums) are far outside chance.
+def _assert_independent(stats):
+  max_corr, row_var, col_var = stats
+  assert max_corr < 0.15 and abs(row_var - 1) < 0.25 and abs(col_var - 1) < 0.25, stats
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_no_two_columns_move_together_and_sums_vary_as_binomials(rate):
+  _assert_independent(_mask_statistics(rate))
+
+
+def test_the_statistics_catch_a_one_round_mixer(monkeypatch):
+  # The element mixer cut to one product: row and key terms then meet almost
+  # linearly, and some column pairs correlate at ~0.3.
+  monkeypatch.setattr(dropout, "mix_element", lambda x: x * jnp.uint32(dropout._MIX_1))
+  with pytest.raises(AssertionError):
+    _assert_independent(_mask_statistics(0.5))

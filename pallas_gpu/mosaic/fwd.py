@@ -43,8 +43,8 @@ each warpgroup reads its tile into registers before K is released and adds it to
 logits, so every step guards rows that are still all -inf.
 
 Dropout (``Geometry.dropout_rate``): each warpgroup hashes its rows' keys
-(common/dropout.row_key, three of the four mixes) once per tile and each step's
-key terms once per step, then zeroes the dropped probabilities before PV; the
+(common/dropout.row_key) once per tile and each step's key terms once per
+step, so an element costs only dropout.mix_element and the compare; then zeroes the dropped probabilities before PV; the
 row sum l keeps them all, and 1 / (1 - rate) scales the output.
 """
 
