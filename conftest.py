@@ -25,3 +25,14 @@ _ACCELERATED = os.environ.get("JAX_PLATFORMS", "") != "cpu" and any(
 if not _ACCELERATED:
   from flashjax.common.env import with_xla_flags
   os.environ["XLA_FLAGS"] = with_xla_flags("--xla_backend_optimization_level=0")
+
+
+
+def pytest_collection_modifyitems(config, items):
+  """Deselects the tests a conformance suite instance leaves out
+  (``ConformanceSuite.SUBSET``)."""
+  from flashjax.common.conformance import split_by_subset
+  keep, drop = split_by_subset(items)
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep

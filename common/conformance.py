@@ -192,6 +192,12 @@ def _objective(fn, const, static, cot, with_lse):
   return objective
 
 
+# The reference's results by (case, with_lse, grads, x64): every suite instance of a
+# process checks many of the same cases, and on the CPU the reference's compile
+# is about half a second of each check. Results are numpy arrays, never mutated.
+_REFERENCE_RESULTS: dict = {}
+
+
 def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
   """Returns ``(platform, reference)``, each a dict of numpy arrays."""
   diff, const, static = make_inputs(case)
@@ -203,7 +209,11 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
                      jnp.float32)
   ref_fn = functools.partial(reference.attention, precision="float32")
   results = []
+  ref_key = (case, with_lse, grads, bool(jax.config.jax_enable_x64))
   for f, is_ref in ((fn, False), (ref_fn, True)):
+    if is_ref and ref_key in _REFERENCE_RESULTS:
+      results.append(_REFERENCE_RESULTS[ref_key])
+      continue
     obj = _objective(f, const, static, (do, dlse), with_lse)
     if grads:
       run = jax.jit(jax.grad(obj, has_aux=True))
@@ -226,15 +236,45 @@ def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool):
       for n, x in g_again.items():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(g[n]),
                                       err_msg=f"d{n} differs between two runs")
+    res = {n: np.asarray(jnp.asarray(x, jnp.float32)) for n, x in res.items()}
+    if is_ref:
+      _REFERENCE_RESULTS[ref_key] = res
     results.append(res)
-  return tuple({n: np.asarray(jnp.asarray(x, jnp.float32)) for n, x in r.items()}
-               for r in results)
+  return tuple(results)
+
+
+def split_by_subset(items):
+  """``(kept, left out)`` of collected test items by their classes'
+  ``ConformanceSuite.SUBSET``; a name there that is no test of the class raises,
+  so a renamed test cannot silently drop out of an instance."""
+  keep, drop = [], []
+  for item in items:
+    cls = getattr(item, "cls", None)
+    subset = getattr(cls, "SUBSET", None)
+    if subset is not None:
+      unknown = sorted(n for n in subset if not callable(getattr(cls, n, None)))
+      if unknown:
+        raise ValueError(f"{cls.__name__}.SUBSET names no test: {unknown}")
+    (drop if subset is not None and item.originalname not in subset
+     else keep).append(item)
+  return keep, drop
 
 
 class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   """Base class; subclasses set ``CAPS`` and implement ``attention``."""
 
   CAPS: Capabilities
+  # The test methods this instance runs, or None for all of them. Only a second
+  # instance of a platform whose first runs the whole suite may name a subset
+  # (the conftest deselects the rest): the same kernels with other tiles need the
+  # tests whose results depend on the tiling, not every feature and error again.
+  SUBSET: frozenset[str] | None = None
+
+  # The tests whose results depend on the tiles: shapes, dtypes and head dims
+  # (each picks its own default tiles), random draws of every feature, and
+  # features combined at block edges.
+  TILING_TESTS = frozenset({"test_shapes", "test_dtypes", "test_head_dims",
+                            "test_random_cases", "test_combinations"})
 
   def attention(self, q, k, v, **kwargs):
     raise NotImplementedError("the platform's test must implement attention()")

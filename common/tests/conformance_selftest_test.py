@@ -141,3 +141,24 @@ def test_second_run_must_be_bit_identical_on_a_device(monkeypatch):
   monkeypatch.setattr(conformance.jax, "default_backend", lambda: "gpu")
   with pytest.raises(AssertionError, match="differs between two runs"):
     suite.check(conformance.Case())
+
+
+class _Item:
+  def __init__(self, cls, name):
+    self.cls, self.originalname = cls, name
+
+
+def test_a_subset_instance_keeps_only_its_tests_and_names_real_ones():
+  class Part(conformance.ConformanceSuite):
+    SUBSET = frozenset({"test_shapes"})
+
+  items = [_Item(Part, "test_shapes"), _Item(Part, "test_bias"),
+           _Item(TestDenseSelfTest, "test_bias"), _Item(None, "test_free")]
+  keep, drop = conformance.split_by_subset(items)
+  assert keep == [items[0], items[2], items[3]] and drop == [items[1]]
+
+  class Typo(conformance.ConformanceSuite):
+    SUBSET = frozenset({"test_shape"})
+
+  with pytest.raises(ValueError, match=r"Typo.SUBSET names no test: \['test_shape'\]"):
+    conformance.split_by_subset([_Item(Typo, "test_shapes")])

@@ -172,19 +172,26 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
   tail = mosaic_blocks.tail_plan(g)
   assert tail is not None and tail.parts >= 2
   assert tail.full % g.num_ctas == 0 and tail.full + tail.count == g.num_tiles
-  seen = []
-  for cta in range(g.num_ctas):
-    for i in range(int(mosaic_blocks.tiles_of_cta(g, cta))):
-      u = cta + i * g.num_ctas
-      t, whole, part, ranges, lo_c, hi_c = mosaic_blocks.unit_walk(g, u)
-      t, lo_c, hi_c = int(t), int(lo_c), int(hi_c)
-      assert bool(whole) == (u < tail.full) and t == int(mosaic_blocks.unit_tile(g, u))
-      assert lo_c < hi_c
-      for rg in ranges:
-        lo, a, b, hi = (int(x) for x in rg)
-        assert lo_c <= lo <= a <= b <= hi <= hi_c
-      coords = tuple(int(x) for x in mosaic_blocks.tile_coords(g, t))
-      seen += [coords + (s,) for s in range(lo_c, hi_c)]
+  units = np.array([cta + i * g.num_ctas for cta in range(g.num_ctas)
+                    for i in range(int(mosaic_blocks.tiles_of_cta(g, cta)))], np.int32)
+
+  # Every unit's walk at once (one compile; unit by unit, eagerly, the 2048 tiles
+  # of the first case took 37 s on the CI machine).
+  @jax.jit
+  @jax.vmap
+  def walk(u):
+    t, whole, _, ranges, lo_c, hi_c = mosaic_blocks.unit_walk(g, u)
+    return (t, whole, ranges, lo_c, hi_c, mosaic_blocks.unit_tile(g, u),
+            mosaic_blocks.tile_coords(g, t))
+
+  t, whole, ranges, lo_c, hi_c, tile, coords = jax.tree.map(np.asarray, walk(units))
+  np.testing.assert_array_equal(whole, units < tail.full)
+  np.testing.assert_array_equal(t, tile)
+  assert (lo_c < hi_c).all()
+  for lo, a, b, hi in ranges:
+    assert ((lo_c <= lo) & (lo <= a) & (a <= b) & (b <= hi) & (hi <= hi_c)).all()
+  seen = [(int(c0), int(c1), int(c2), s)
+          for c0, c1, c2, l, h in zip(*coords, lo_c, hi_c) for s in range(l, h)]
   _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, 0)
   expected = {(b, h, t, s) for b in range(batch) for h in range(heads)
               for t in range(g.num_q_tiles) for s in range(int(lo_c), int(hi_c))}
