@@ -2,13 +2,10 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 
 import flashjax
 from flashjax import xla_cpu
-from flashjax.common import (conformance, conformance_kvcache, conformance_packed,
-                             reference, tolerances)
+from flashjax.common import conformance, conformance_kvcache, conformance_packed
 
 # Forward and backward blocks differ, so the backward cannot lean on the
 # forward's blocking (the lse is per row, whatever the blocks).
