@@ -1,5 +1,6 @@
 """The triton platform: the conformance suite on a GPU; on any machine, every kernel
-variant compiled for sm_80 and sm_90 by Triton's compiler (no GPU needed), the
+of each variant compiled for sm_90 (some variants for sm_80 too) by Triton's
+compiler (no GPU needed), the
 unavailable-platform reason and the seed's environment variables (the block
 tables' band ranges are checked in common/tests/blocking_test.py)."""
 
