@@ -13,7 +13,7 @@ class TestPallasTpuInterpret(conformance.ConformanceSuite):
   # Interpret mode simulates every DMA: keep sequences short.
   CAPS = conformance.Capabilities.of(
       pallas_tpu.CAPABILITIES, name="pallas-tpu[interpret]", max_seq_len=400,
-      hypothesis_examples=6)
+      hypothesis_examples=4)
 
   def attention(self, q, k, v, **kwargs):
     return pallas_tpu.flash_attention(q, k, v, interpret=True, **kwargs)
