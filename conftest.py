@@ -27,7 +27,6 @@ if not _ACCELERATED:
   os.environ["XLA_FLAGS"] = with_xla_flags("--xla_backend_optimization_level=0")
 
 
-
 def pytest_collection_modifyitems(config, items):
   """Deselects the tests a conformance suite instance leaves out
   (``ConformanceSuite.SUBSET``)."""

@@ -264,10 +264,11 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   """Base class; subclasses set ``CAPS`` and implement ``attention``."""
 
   CAPS: Capabilities
-  # The test methods this instance runs, or None for all of them. Only a second
-  # instance of a platform whose first runs the whole suite may name a subset
-  # (the conftest deselects the rest): the same kernels with other tiles need the
-  # tests whose results depend on the tiling, not every feature and error again.
+  # The test methods this instance runs, or None for all of them. A platform runs
+  # the whole suite in one instance; another instance of it, with other tiles,
+  # may name a subset (the conftest deselects the rest): the same kernels with
+  # other tiles need the tests whose results depend on the tiling, not every
+  # feature and error again.
   SUBSET: frozenset[str] | None = None
 
   # The tests whose results depend on the tiles: shapes, dtypes and head dims
@@ -383,7 +384,8 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   def test_bias(self, shape):
     self.check(Case(batch=2, seq_q=90, seq_k=140, bias_shape=shape, seed=17))
 
-  @pytest.mark.parametrize("shape", [(-1, 1, -1, -1), (-1, 1, 1, -1), (-1, -1)])
+  @pytest.mark.parametrize("shape", [(-1, -1, -1, -1), (-1, 1, -1, -1), (-1, 1, 1, -1),
+                                     (-1, -1)])
   def test_mask(self, shape):
     self.check(Case(batch=2, seq_q=90, seq_k=140, mask_shape=shape, seed=19))
 

@@ -15,10 +15,11 @@ Each element then mixes its row key with its key's term by two multiply-xorshift
 rounds (:func:`mix_element`) rather than a fourth finaliser: the row key is already
 random, and the kernels hash once per element, where the integer work bounds a
 Hopper forward's speed: on an H200 (2026-11-27) the Mosaic forward with dropout ran
-1.24x faster than with the finaliser per element, the triton one 1.19-1.28x. Two
+1.23-1.25x faster than with the finaliser per element, the triton one 1.17-1.28x
+(docs/reports/2026-11-27-h200-dropout-element-mix.md). Two
 rounds keep the statistics of the full finaliser (keep rate, neighbour and
 rectangle correlations, row and column sum variances on 2048 x 2048 masks); one
-round did not (column pairs correlated at 13 sigma; tests/dropout_test.py).
+round did not (column pairs correlated at 13 sigma; common/tests/dropout_test.py).
 
 The keep test compares the top 24 bits of the hash with a 24-bit threshold: both
 are below 2**24, so a backend that compares 32-bit integers as signed (Triton's

@@ -152,8 +152,8 @@ FOUR = PRELUDE + textwrap.dedent("""
     # bf16: one call per causal hop (results stay bf16 out of each hop); with a
     # window and dropout, pair calls whose parts are merged and summed in fp32.
     # A wrong hop offset of the window or of the dropout hash moves whole
-    # probabilities, far beyond bf16's tolerance; THREE checks fp32 windows
-    # with dropout.
+    # probabilities, far beyond bf16's tolerance; THREE checks an fp32 window
+    # with dropout in the contiguous layout.
     check("zigzag", causal=True, dtype=jnp.bfloat16)
     check("zigzag", sliding_window=(20, 3), logits_soft_cap=5.0, dropout_rate=0.2,
           dropout_seed=3, row_bias="row_bias", seg="seg", dtype=jnp.bfloat16)

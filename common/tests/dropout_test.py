@@ -89,8 +89,9 @@ def _mask_statistics(rate, seed=11, rows=2048, cols=256):
 
 
 # Independent draws: a column pair's correlation over 2048 rows has sd 0.022, so
-# the largest of 32640 pairs sits near 0.1; 0.15 and a variance ratio off by 0.25
-# (about 8 sd over 2048 or 256 sums) are far outside chance.
+# the largest of 32640 pairs sits near 0.1, and 0.15 is far outside chance; a
+# variance ratio off by 0.25 is 8 sd over the 2048 row sums, 2.8 sd over the 256
+# column sums (the inputs are fixed, so the test passes or fails the same way).
 def _assert_independent(stats):
   max_corr, row_var, col_var = stats
   assert max_corr < 0.15 and abs(row_var - 1) < 0.25 and abs(col_var - 1) < 0.25, stats

@@ -43,8 +43,8 @@ rows (keys) come once, the streamed side's with each slot.
 Dropout (``Geometry.dropout_rate``): each row's dropout key (common/dropout.py,
 hashed in XLA) rides in the row stats as two exact 16-bit halves, so the dK/dV
 kernel, which meets new rows every step, and the dQ kernel hash each element
-with dropout.mix_element only. dV takes the kept probabilities and dS the kept dP, both scaled by
-1 / (1 - rate).
+with dropout.mix_element only. dV takes the kept probabilities and dS the kept
+dP, both scaled by 1 / (1 - rate).
 
 Bias and dense mask (``Geometry.bias_dtype``, head dims up to 128): the
 forward's additive tile (mosaic.additive_tile) comes with each K block in the

@@ -44,8 +44,9 @@ logits, so every step guards rows that are still all -inf.
 
 Dropout (``Geometry.dropout_rate``): each warpgroup hashes its rows' keys
 (common/dropout.row_key) once per tile and each step's key terms once per
-step, so an element costs only dropout.mix_element and the compare; then zeroes the dropped probabilities before PV; the
-row sum l keeps them all, and 1 / (1 - rate) scales the output.
+step, so an element costs only dropout.mix_element and the compare; then it
+zeroes the dropped probabilities before PV; the row sum l keeps them all, and
+1 / (1 - rate) scales the output.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           q_ids = pipeline.slot_ids(qid_bar, qid_smem, wg,
                                     plgpu.Layout.WGMMA.reduce(1))
         if g.dropout_rate:
-          # Three of the hash's four mixes depend on the row alone: once per tile.
+          # The row key (dropout.row_key) depends on the row alone: once per tile.
           row_keys = dropout_row_keys(seed_ref, b_idx, h, positions(bq, 0, r0))
 
         def dropped(p, s):

@@ -230,7 +230,7 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   stat_rows = [lse_rows * bwd.LOG2E, delta_rows]
   seed = dropout_words(ops, spec)
   if seed is not None:
-    # Each row's dropout key (three of the hash's four mixes) travels with its
+    # Each row's dropout key (dropout.row_key) travels with its
     # lse and delta: the dK/dV kernel meets a new block of rows every step and
     # would otherwise hash them there.
     b, h, i = (jnp.arange(n, dtype=jnp.int32).reshape(

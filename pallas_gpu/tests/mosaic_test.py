@@ -190,8 +190,9 @@ def test_split_tail_walk_covers_every_block_once(batch, heads, seq_q, seq_k, cta
   assert (lo_c < hi_c).all()
   for lo, a, b, hi in ranges:
     assert ((lo_c <= lo) & (lo <= a) & (a <= b) & (b <= hi) & (hi <= hi_c)).all()
-  seen = [(int(c0), int(c1), int(c2), s)
-          for c0, c1, c2, l, h in zip(*coords, lo_c, hi_c) for s in range(l, h)]
+  seen = [(int(b), int(h), int(tile), s)
+          for b, h, tile, first, end in zip(*coords, lo_c, hi_c)
+          for s in range(first, end)]
   _, lo_c, hi_c = mosaic_blocks.cta_block_ranges(g, 0)
   expected = {(b, h, t, s) for b in range(batch) for h in range(heads)
               for t in range(g.num_q_tiles) for s in range(int(lo_c), int(hi_c))}
