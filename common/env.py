@@ -25,3 +25,10 @@ def with_xla_flags(*flags: str) -> str:
   """``XLA_FLAGS`` of this process with ``flags`` appended: the value to give a
   subprocess, so that it keeps the flags its parent runs under."""
   return " ".join([os.environ.get("XLA_FLAGS", "").strip(), *flags]).strip()
+
+
+def cpu_devices_env(n: int) -> dict:
+  """The environment of a subprocess that runs JAX on ``n`` fake CPU devices,
+  with this process's other variables and XLA flags."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=with_xla_flags(f"--xla_force_host_platform_device_count={n}"))

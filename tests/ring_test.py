@@ -5,7 +5,6 @@ nothing; per-device memory grows linearly in the local length. The multi-device
 cases run in one subprocess per device count (the count must be set before JAX
 starts); checks of the index math and of errors run here on one device."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import flashjax
 from flashjax.common import hardware, reference
-from flashjax.common.env import with_xla_flags
+from flashjax.common.env import cpu_devices_env
 from flashjax.common.mask import Band, band_allowed
 
 PRELUDE = textwrap.dedent("""
@@ -309,9 +308,7 @@ EIGHT = PRELUDE + textwrap.dedent("""
 
 
 def _run(script, n):
-  env = dict(os.environ,
-             XLA_FLAGS=with_xla_flags(f"--xla_force_host_platform_device_count={n}"),
-             JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(n)
   proc = subprocess.run([sys.executable, "-c", script.format(n=n)], env=env,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), (

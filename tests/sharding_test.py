@@ -6,7 +6,6 @@ a subprocess because the device count must be set before JAX starts. On a host
 with several GPUs, ``test_data_parallel_on_gpus`` runs the GPU platforms so, in
 this process."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import jax
 import pytest
 
 from flashjax.common import hardware
-from flashjax.common.env import with_xla_flags
+from flashjax.common.env import cpu_devices_env
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -93,9 +92,7 @@ CASES = [
 
 
 def _run(platform, spec, kwargs, expect_gather=False):
-  env = dict(os.environ,
-             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
-             JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   script = SCRIPT.format(spec=spec, platform=platform, kwargs=kwargs,
                          expect_gather=expect_gather)
   res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -135,9 +132,7 @@ VMAP_SCRIPT = textwrap.dedent("""
 
 
 def test_vmap_of_kernel_platform_on_many_devices():
-  env = dict(os.environ,
-             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
-             JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   res = subprocess.run([sys.executable, "-c", VMAP_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
@@ -201,9 +196,7 @@ EDGE_SCRIPT = textwrap.dedent("""
 
 
 def test_mqa_gqa_and_tpu_interpret_with_sharded_inputs():
-  env = dict(os.environ,
-             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
-             JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   res = subprocess.run([sys.executable, "-c", EDGE_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
@@ -260,9 +253,7 @@ JVP_SCRIPT = textwrap.dedent("""
 
 
 def test_jvp_of_sharded_inputs_runs_per_shard():
-  env = dict(os.environ,
-             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"),
-             JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   res = subprocess.run([sys.executable, "-c", JVP_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=900)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flashjax.common.shapes import get
-from flashjax.common.env import with_xla_flags
+from flashjax.common.env import cpu_devices_env
 
 
 def test_pallas_triton_sweep_parses_candidates():
@@ -276,7 +276,6 @@ def test_ring_profile_full_mask_runs_the_ring_without_switches():
   # A full mask gives every device the same call at every hop (one branch, no
   # lax.switch), which is what the MASK argument compares against the causal
   # ring; the tool runs on fake CPU devices (no GPU events to read there).
-  import os
   import pathlib
   import subprocess
   import sys
@@ -289,8 +288,7 @@ def test_ring_profile_full_mask_runs_the_ring_without_switches():
     for hop in range(4):
       assert len({plan.hop_calls(r, hop, chunk, chunk) for r in range(4)}) == 1
   root = pathlib.Path(__file__).resolve().parents[2]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"))
+  env = cpu_devices_env(4)
   run = lambda *args: subprocess.run(
       [sys.executable, "-m", "tools.ring_profile", "64", "1,2,16", *args],
       cwd=root, env=env, capture_output=True, text=True, timeout=300)

@@ -108,7 +108,7 @@ HOPPER_MAX_SHARED = 232448
 AMPERE = {0, 2}
 ARCH_VARIANTS = [(variant, arch) for i, variant in enumerate(VARIANTS)
                  for arch in (80, 90)
-                 if arch == 90 or (variant[0] != "float32" and i in AMPERE)]
+                 if arch == 90 or i in AMPERE]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
