@@ -69,8 +69,8 @@ def check_skips_between_documents(attention, *, doc_len: int, causal: bool,
   ids = jnp.asarray(np.repeat(np.arange(4, dtype=np.int32), doc_len)[None])
   kw = dict(segment_ids=(ids, ids), causal=causal)
   poisoned = v.at[:, doc_len:2 * doc_len].set(jnp.nan)
-  got = jax.vjp(lambda *a: attention(*a, **kw), q, k, poisoned)
-  ref = jax.vjp(lambda *a: reference.attention(*a, precision="float32", **kw),
+  got = jax.vjp(jax.jit(lambda *a: attention(*a, **kw)), q, k, poisoned)
+  ref = jax.vjp(jax.jit(lambda *a: reference.attention(*a, precision="float32", **kw)),
                 q, k, v)
   keep = np.asarray(ids[0] != 1)
   names = ("out", "dq", "dk", "dv")

@@ -84,11 +84,11 @@ def test_dot_product_attention_matches_jax_nn(case):
   assert np.all(np.asarray(ours[0])[~rows] == 0)
   assert np.all(np.isneginf(np.asarray(ours[1])[~rows]))
   if case.get("grad"):
-    g_ours = jax.grad(lambda *a: loss(flashjax.dot_product_attention, *a),
-                      argnums=(0, 1, 2))(q, k, v)
-    g_want = jax.grad(lambda *a: loss(
+    g_ours = jax.jit(jax.grad(lambda *a: loss(flashjax.dot_product_attention, *a),
+                              argnums=(0, 1, 2)))(q, k, v)
+    g_want = jax.jit(jax.grad(lambda *a: loss(
         lambda *x, **y: jax.nn.dot_product_attention(*x, implementation="xla", **y),
-        *a), argnums=(0, 1, 2))(q, k, v)
+        *a), argnums=(0, 1, 2)))(q, k, v)
     for a, w in zip(g_ours, g_want):
       np.testing.assert_allclose(a, w, atol=5e-5, rtol=5e-5)
 
@@ -172,14 +172,15 @@ def test_flash_mha_varlen_seqused_k():
   def check(out, causal):
     a = b = 0
     for nq, nk, n in zip(lens_q, lens_k, used):
-      want = jnp.zeros_like(q[a:a + nq]) if n == 0 else reference.attention(
+      want = jnp.zeros_like(q[a:a + nq]) if n == 0 else jax.jit(
+          reference.attention, static_argnames="causal")(
           q[None, a:a + nq], k[None, b:b + n], v[None, b:b + n], causal=causal)[0]
       np.testing.assert_allclose(out[a:a + nq], want, **TOL)
       a, b = a + nq, b + nk
     assert np.all(np.asarray(out[a:]) == 0)
 
-  check(run(q, k, v, False), False)
-  out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, True), q, k, v)
+  check(jax.jit(run, static_argnums=3)(q, k, v, False), False)
+  out, vjp = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, True)), q, k, v)
   check(out, True)
   _, dk, dv = vjp(jnp.ones_like(out))
   unused = np.ones(tk, bool)

@@ -21,6 +21,10 @@ CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
                               reason="asserts the CPU backend's platform choice")
 
 
+# The reference compiled once per shape (eager, each of its operations compiles).
+_reference = jax.jit(reference.attention, static_argnames=("causal",))
+
+
 def _qkv(b=2, sq=96, sk=96, hq=4, hkv=2, d=32, seed=0, dtype=jnp.float32):
   ks = jax.random.split(jax.random.key(seed), 3)
   return (jax.random.normal(ks[0], (b, sq, hq, d), dtype),
@@ -48,8 +52,10 @@ def test_flash_attention_matches_reference(kwargs):
 def test_gradients_through_frontend():
   q, k, v = _qkv(seed=1)
   f = lambda fn: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, causal=True))),
-                          argnums=(0, 1, 2))(q, k, v)
-  for g, rg in zip(f(flashjax.flash_attention), f(reference.attention)):
+                          argnums=(0, 1, 2))
+  # flashjax's eagerly, as a user without jit would; the reference's compiled.
+  for g, rg in zip(f(flashjax.flash_attention)(q, k, v),
+                   jax.jit(f(reference.attention))(q, k, v)):
     tolerances.assert_close(g, rg, tolerances.grad("float32"), name="grad")
 
 
@@ -142,7 +148,7 @@ def test_flash_mha_varlen_matches_per_sequence(causal):
   start = 0
   for n in lens:
     sl = slice(start, start + n)
-    ref = reference.attention(q[None, sl], k[None, sl], v[None, sl], causal=causal)[0]
+    ref = _reference(q[None, sl], k[None, sl], v[None, sl], causal=causal)[0]
     _close(out[sl], ref)
     start += n
   assert np.all(np.asarray(out[start:]) == 0)
@@ -163,11 +169,12 @@ def test_flash_mha_varlen_equal_offsets_in_two_arrays_take_the_packed_rows():
   for lens_q, lens_k in (([10, 30, 22], [10, 30, 22]), ([10, 30, 22], [20, 20, 22])):
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     assert "cond" in str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))
-    for out in (run(q, k, v, cu_q, cu_k), jax.jit(run)(q, k, v, cu_q, cu_k)):
+    concrete = jax.jit(lambda q, k, v: run(q, k, v, cu_q, cu_k))  # offsets constant
+    for out in (concrete(q, k, v), jax.jit(run)(q, k, v, cu_q, cu_k)):
       sq = sk = 0
       for nq, nk in zip(lens_q, lens_k):
-        ref = reference.attention(q[None, sq:sq + nq], k[None, sk:sk + nk],
-                                  v[None, sk:sk + nk], causal=True)[0]
+        ref = _reference(q[None, sq:sq + nq], k[None, sk:sk + nk],
+                         v[None, sk:sk + nk], causal=True)[0]
         _close(out[sq:sq + nq], ref)
         sq, sk = sq + nq, sk + nk
       assert np.all(np.asarray(out[sq:]) == 0)
@@ -231,7 +238,7 @@ def test_flash_mha_varlen_bottom_right_bands_per_sequence(causal, window):
                                    sliding_window=window)
 
   out, vjp = jax.vjp(jax.jit(packed), q, k, v)
-  ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
+  ref, ref_vjp = jax.vjp(jax.jit(per_sequence), q, k, v)
   _close(out, ref)
   assert np.all(np.asarray(out[sum(lens_q):]) == 0)
   for g, r in zip(vjp(do), ref_vjp(do)):
@@ -270,8 +277,9 @@ def test_flash_mha_varlen_queries_on_their_keys_rows(lens_q, lens_k, causal, win
   traced = str(jax.make_jaxpr(run)(q, k, v, cu_q, cu_k))
   assert (rows in concrete) == (end_aligned == "always"), concrete
   assert (rows in traced) == (end_aligned != "never"), traced
-  ref, ref_vjp = jax.vjp(per_sequence, q, k, v)
-  out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, cu_q, cu_k), q, k, v)
+  ref, ref_vjp = jax.vjp(jax.jit(per_sequence), q, k, v)
+  # Closed-over offsets stay concrete under jit: the layout of `concrete` above.
+  out, vjp = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, cu_q, cu_k)), q, k, v)
   for got in (out, jax.jit(run)(q, k, v, cu_q, cu_k)):
     _close(got, ref)
     assert np.all(np.asarray(got[sum(lens_q):]) == 0)
@@ -402,8 +410,8 @@ def test_checkpoint_policy_saves_named_residuals():
   def loss(q, k, v):
     return jnp.sum(flashjax.flash_attention(q, k, v, causal=True) ** 2)
 
-  g1 = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
-  g2 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  g1 = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2)))(q, k, v)
+  g2 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(g1, g2):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   jaxpr = str(jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=policy)))(q, k, v))

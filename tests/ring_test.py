@@ -110,7 +110,7 @@ PRELUDE = textwrap.dedent("""
             argnums=(0, 1, 2, 3), has_aux=True)
         compiled = jax.jit(grad(loss)).lower(q, k, v, diff).compile()
         (_, (out, lse)), grads = compiled(q, k, v, diff)
-        (_, (rout, rlse)), rgrads = grad(ref_loss)(q, k, v, diff)
+        (_, (rout, rlse)), rgrads = jax.jit(grad(ref_loss))(q, k, v, diff)
         label = (layout, hkv, platform, kw, list(named))
         f32 = lambda x: np.asarray(x, np.float32)
         assert out.dtype == dtype and grads[0].dtype == dtype, (out.dtype, dtype)
@@ -217,8 +217,9 @@ FOUR_AUTO = PRELUDE + textwrap.dedent("""
     hlo = step.lower(*args).compile().as_text()
     assert "collective-permute" in hlo and "all-gather" not in hlo
     val, grads = step(*args)
-    rval, rgrads = jax.value_and_grad(loss(reference.attention, do),
-                                      argnums=(0, 1, 2, 3))(q, k, v, arrays["sinks"])
+    rval, rgrads = jax.jit(jax.value_and_grad(loss(reference.attention, do),
+                                              argnums=(0, 1, 2, 3)))(
+        q, k, v, arrays["sinks"])
     np.testing.assert_allclose(val, rval, rtol=1e-4)
     for g, r in zip(grads, rgrads):
         np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
@@ -246,9 +247,9 @@ FOUR_AUTO = PRELUDE + textwrap.dedent("""
         put = lambda x: jax.device_put(x, sh)
         compiled = step.lower(put(q), put(k), put(v), diff).compile()
         (_, (out, lse)), grads = compiled(put(q), put(k), put(v), diff)
-        (_, (rout, rlse)), rgrads = jax.value_and_grad(
+        (_, (rout, rlse)), rgrads = jax.jit(jax.value_and_grad(
             lambda *a: call(reference.attention, *a), argnums=(0, 1, 2, 3),
-            has_aux=True)(q, k, v, diff)
+            has_aux=True))(q, k, v, diff)
         np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
         np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
@@ -404,7 +405,7 @@ def test_kernel_dropout_takes_hop_offsets(platform, backend):
 
   val, grads = jax.jit(check(ring))(q, k, v)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  rval, rgrads = check(lambda *a: reference.attention(*a, **kw))(*f32)
+  rval, rgrads = jax.jit(check(lambda *a: reference.attention(*a, **kw)))(*f32)
   assert float(jnp.std(rgrads[0])) > 0.05
   if mosaic:
     from flashjax.common import tolerances
@@ -460,7 +461,7 @@ def _auto_mesh_ring(platform, rows_per_device=256, split="ring", **extra):
   assert ("collective-permute" in hlo) == (split == "ring")
   (_, out), grads = compiled(*args)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  (_, ref), ref_grads = loss(reference.attention)(*f32)
+  (_, ref), ref_grads = jax.jit(loss(reference.attention))(*f32)
   tolerances.assert_close(np.asarray(out, np.float32), ref,
                           tolerances.forward("bfloat16"), name="out")
   for name, g, r in zip("qkv", grads, ref_grads):
@@ -596,7 +597,7 @@ XLA_AUTO = PRELUDE + textwrap.dedent("""
         (_, (out, lse)), grads = compiled(*args)
         # The unsharded call (one device's program) and the reference.
         (_, (uout, ulse)), ugrads = jax.jit(grad(call))(q, k, v, sinks)
-        (_, (rout, rlse)), rgrads = grad(reference.attention)(q, k, v, sinks)
+        (_, (rout, rlse)), rgrads = jax.jit(grad(reference.attention))(q, k, v, sinks)
         np.testing.assert_allclose(out, uout, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(lse, ulse, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
@@ -683,8 +684,8 @@ def test_pallas_tpu_zigzag_ring_one_device():
     return jax.value_and_grad(total, argnums=(0, 1, 2, 3), has_aux=True)
 
   (_, (out, lse)), grads = jax.jit(check(ring))(q, k, v, sinks)
-  (_, (rout, rlse)), rgrads = check(
-      lambda q, k, v, s: reference.attention(q, k, v, sinks=s, **kw))(q, k, v, sinks)
+  (_, (rout, rlse)), rgrads = jax.jit(check(
+      lambda q, k, v, s: reference.attention(q, k, v, sinks=s, **kw)))(q, k, v, sinks)
   np.testing.assert_allclose(out, rout, rtol=2e-4, atol=2e-4)
   np.testing.assert_allclose(lse, rlse, rtol=2e-4, atol=2e-4)
   for g, r in zip(grads, rgrads):

@@ -62,9 +62,9 @@ SCRIPT = textwrap.dedent("""
         for g in grads[:3]:
             assert g.sharding.is_equivalent_to(sh, 4), (g.sharding, sh)
     rq, rk, rv, rdo = map(host, (q, k, v, do))
-    rval, rgrads = jax.value_and_grad(
+    rval, rgrads = jax.jit(jax.value_and_grad(
         lambda q, k, v, diff: jnp.sum(reference.attention(q, k, v, **kw, **diff) * rdo),
-        argnums=(0, 1, 2, 3))(rq, rk, rv, diff)
+        argnums=(0, 1, 2, 3)))(rq, rk, rv, diff)
     np.testing.assert_allclose(host(val), rval, rtol=1e-4)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
         np.testing.assert_allclose(host(g), r, rtol=2e-4, atol=2e-4)
@@ -125,7 +125,7 @@ VMAP_SCRIPT = textwrap.dedent("""
     r = lambda q: reference.attention(q, q, q, causal=True)
     np.testing.assert_allclose(jax.jit(jax.vmap(f))(q), jax.vmap(r)(q), rtol=1e-4, atol=1e-5)
     g = jax.jit(jax.vmap(jax.grad(lambda q: (f(q) ** 2).sum())))(q)
-    np.testing.assert_allclose(g, jax.vmap(jax.grad(lambda q: (r(q) ** 2).sum()))(q),
+    np.testing.assert_allclose(g, jax.jit(jax.vmap(jax.grad(lambda q: (r(q) ** 2).sum())))(q),
                                rtol=2e-4, atol=2e-4)
     print("OK")
 """)
@@ -162,8 +162,9 @@ EDGE_SCRIPT = textwrap.dedent("""
         out, grads = step(q, k, v)
         host = [np.asarray(jax.device_get(x)) for x in (q, k, v)]
         ref = lambda q, k, v: reference.attention(q, k, v, causal=True)
-        np.testing.assert_allclose(jax.device_get(out), ref(*host), rtol=1e-4, atol=1e-5)
-        for g, r in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(*host)):
+        np.testing.assert_allclose(jax.device_get(out), jax.jit(ref)(*host), rtol=1e-4,
+                                   atol=1e-5)
+        for g, r in zip(grads, jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(*host)):
             np.testing.assert_allclose(jax.device_get(g), r, rtol=2e-4, atol=2e-4)
 
     # MQA, batch-sharded: a size-1 kv head factor must not join a compound dim.
@@ -218,8 +219,9 @@ JVP_SCRIPT = textwrap.dedent("""
             for key, h in zip(ks, hs)]
     kw = dict(causal=True, bias=bias, sinks=sinks, dropout_rate=0.1, dropout_seed=7)
     host = lambda x: np.asarray(jax.device_get(x))
-    ref = jax.jvp(lambda q, k, v: reference.attention(q, k, v, **kw),
-                  tuple(map(host, args[:3])), tuple(map(host, args[3:])))
+    ref = jax.jit(lambda p, t: jax.jvp(
+        lambda q, k, v: reference.attention(q, k, v, **kw), p, t))(
+        tuple(map(host, args[:3])), tuple(map(host, args[3:])))
     for extra in (dict(platform="xla"), dict(platform="pallas-triton", interpret=True)):
         f = lambda q, k, v: flashjax.flash_attention(q, k, v, **kw, **extra)
         run = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))
@@ -243,10 +245,11 @@ JVP_SCRIPT = textwrap.dedent("""
         check_vma=True))
     grads, tangent = local(*args)
     plain = lambda q, k, v: reference.attention(q, k, v, causal=True)
-    want = jax.grad(loss(plain), argnums=(0, 1, 2))(*map(host, args[:3]))
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(*map(host, args[:3]))
     for g, r in zip(grads, want):
         np.testing.assert_allclose(host(g), r, rtol=2e-4, atol=2e-4)
-    want = jax.jvp(plain, tuple(map(host, args[:3])), tuple(map(host, args[3:])))[1]
+    want = jax.jit(lambda p, t: jax.jvp(plain, p, t)[1])(
+        tuple(map(host, args[:3])), tuple(map(host, args[3:])))
     np.testing.assert_allclose(host(tangent), want, rtol=2e-4, atol=2e-4)
     print("OK")
 """)
