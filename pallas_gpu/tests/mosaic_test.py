@@ -288,8 +288,8 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
   assert g.balanced and g.segments
   ops = spec_lib.Operands(q=None, k=None, v=None, q_segment_ids=jnp.asarray(ids),
                           kv_segment_ids=jnp.asarray(ids))
-  visible = mosaic.segment_operands(ops, g)[2]
-  steps = np.asarray(mosaic_blocks.tile_steps(g, visible))
+  visible = jax.jit(lambda ops: mosaic.segment_operands(ops, g)[2])(ops)
+  steps = np.asarray(jax.jit(lambda v: mosaic_blocks.tile_steps(g, v))(visible))
   table = np.asarray(jax.jit(lambda v: mosaic_blocks.balanced_order(g, v))(visible))
   vis = np.asarray(visible)
   for t in rng.choice(g.num_tiles, 20, replace=False):  # the kernel's own walk
@@ -877,7 +877,8 @@ def test_segment_walks_cover_every_allowed_pair(seq_q, seq_k, causal):
   g_dq, g_dkv = mosaic.backward_geometries(spec, mosaic.MosaicConfig())
   skipped = unmasked = 0
   for g, over_kv in ((g_fwd, True), (g_dq, True), (g_dkv, False)):
-    table = np.asarray(mosaic.segment_operands(ops, g, over_kv)[2])
+    table = np.asarray(jax.jit(
+        lambda ops: mosaic.segment_operands(ops, g, over_kv)[2])(ops))
     rows, cols = (g.block_q, g.block_kv) if over_kv else (g.block_kv, g.block_q)
     walk = mosaic_blocks.cta_block_ranges if over_kv else mosaic_blocks.cta_q_ranges
     n_tiles = g.num_q_tiles if over_kv else g.num_kv_tiles
