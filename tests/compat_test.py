@@ -165,9 +165,10 @@ def test_flash_mha_varlen_seqused_k():
   v = jax.random.normal(ks[2], (tk, 1, 16))
   cu_q = jnp.array(np.cumsum([0] + lens_q), jnp.int32)
   cu_k = jnp.array(np.cumsum([0] + lens_k), jnp.int32)
+  used_k = jnp.array(used, jnp.int32)  # closed over: concrete under jit, as eagerly
   run = lambda q, k, v, causal: flashjax.flash_mha_varlen(
       q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=causal,
-      seqused_k=jnp.array(used, jnp.int32))
+      seqused_k=used_k)
 
   def check(out, causal):
     a = b = 0

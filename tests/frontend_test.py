@@ -155,9 +155,10 @@ def test_flash_mha_varlen_matches_per_sequence(causal):
 
 
 def test_flash_mha_varlen_equal_offsets_in_two_arrays_take_the_packed_rows():
-  """Causal with q and k offsets in two arrays: equal values (eagerly, and under
-  jit through a lax.cond at run time) and different values of one total, each
-  against the reference per sequence (bottom-right bands)."""
+  """Causal with q and k offsets in two arrays: equal values (constant offsets,
+  closed over and so concrete under jit; and traced offsets, through a lax.cond
+  at run time) and different values of one total, each against the reference
+  per sequence (bottom-right bands)."""
   ks = jax.random.split(jax.random.key(8), 3)
   total = 70
   q = jax.random.normal(ks[0], (total, 2, 16))
