@@ -101,10 +101,11 @@ HOPPER_MAX_SHARED = 232448
 # fp32 dots at "ieee" precision take no tensor cores on either architecture, so
 # sm_80 and sm_90 compile the same FMA loops; fp32 variants took 150-290 s per
 # architecture on the 2-core CI machine (2026-11-27), so they compile for sm_90
-# only, and the fp32 variant with every feature at D = 16 (38-39 s; D = 32 62-77 s,
-# D = 64 115-133 s, D = 128 253 s). D = 256 compiles in bf16 (16-18 s; 193 s in fp32). sm_80's
-# tensor-core path (mma, no wgmma) compiles on the plain variant and the one with
-# window and ids; the one with bias, mask and dropout took 65-74 s there.
+# only, and the fp32 variant with every feature at D = 16 (38-39 s; D = 32
+# 62-77 s, D = 64 115-133 s, D = 128 253 s). D = 256 compiles in bf16 (16-18 s;
+# 193 s in fp32). sm_80's tensor-core path (mma, no wgmma) compiles on the plain
+# variant and the one with window and ids; the one with bias, mask and dropout
+# took 65-74 s there.
 AMPERE = {0, 2}
 ARCH_VARIANTS = [(variant, arch) for i, variant in enumerate(VARIANTS)
                  for arch in (80, 90)
