@@ -276,9 +276,10 @@ def _deal(steps, ctas: int, most: int, xp):
   rounds = -(-n // ctas)
   t = xp.arange(n, dtype=np.int32)
   window = t // (WINDOW_ROUNDS * ctas)
-  if -(-n // (WINDOW_ROUNDS * ctas)) * (most + 1) < 2**31:
-    # One int32 key, window then longest first, in a stable sort: on the device
-    # a three-key lexsort took 12 us more per call (H200, 2026-11-26).
+  if xp is not np:
+    order = _window_order(steps, WINDOW_ROUNDS * ctas, most)
+  elif -(-n // (WINDOW_ROUNDS * ctas)) * (most + 1) < 2**31:
+    # One int32 key, window then longest first, in a stable sort.
     order = xp.argsort(window * (most + 1) + (most - steps), stable=True)
   else:
     order = xp.lexsort((t, -steps, window))
@@ -292,6 +293,26 @@ def _deal(steps, ctas: int, most: int, xp):
   # Only the last round is partial, and its undealt entries are a row's last.
   return xp.concatenate([count, tiles, xp.zeros((ctas, 1), np.int32)],
                         axis=1).astype(np.int32)
+
+
+def _window_order(steps, size: int, most: int):
+  """The tiles ordered by (window of ``size`` consecutive tiles, longest first,
+  tile) on the device, without a sort: each tile's rank in its window counts
+  the window's tiles that go before it (one fused compare and sum), and the
+  ranks scatter the tiles into place. On an H200 (2026-11-27, 2048 tiles) an
+  argsort of the same key took 13.9 us per call."""
+  n = steps.shape[0]
+  windows = -(-n // size)
+  # Padding tiles rank after every real tile of the last window, so past n.
+  key = jnp.full((windows * size,), most + 1, jnp.int32).at[:n].set(
+      most - steps.astype(jnp.int32)).reshape(windows, size)
+  i = jnp.arange(size, dtype=jnp.int32)
+  mine, other = key[:, :, None], key[:, None, :]
+  goes_before = (other < mine) | ((other == mine) & (i[None, None, :] < i[None, :, None]))
+  rank = goes_before.sum(-1, dtype=jnp.int32) + (
+      jnp.arange(windows, dtype=jnp.int32) * size)[:, None]
+  tiles = jnp.arange(windows * size, dtype=jnp.int32)
+  return jnp.zeros_like(tiles).at[rank.reshape(-1)].set(tiles, unique_indices=True)[:n]
 
 
 def num_units(g: Geometry) -> int:
