@@ -42,8 +42,9 @@ class MosaicForward:
     num_stages: K/V shared-memory slots in flight.
     persistent: one CTA per SM walking the q tiles (True), one CTA per q tile
       (False), or None: persistent for the full band (with segment ids too),
-      and for a causal band (no left edge, no ids) with ``seq_k <=
-      BALANCED_MAX_KEYS``; otherwise one CTA per tile. Rows packed
+      for a causal band (no left edge, no ids) with ``seq_k <=
+      BALANCED_MAX_KEYS`` and for a causal band over segment ids with
+      ``seq_k <= PACKED_BALANCED_MAX_KEYS``; otherwise one CTA per tile. Rows packed
       with documents (full band, H200, 2026-11-26): 1.00-1.13x one CTA per
       tile walked in balanced order, 0.75x on documents of mixed lengths
       walking every ``num_ctas``-th tile.
@@ -92,6 +93,13 @@ class MosaicForward:
 # and 256, and was even with one CTA per tile at 16384, D = 128 (H200,
 # 2026-11-26, docs/reports/2026-11-26-h200-windowed-balanced-order.md).
 BALANCED_MAX_KEYS = 8192
+# The same for causal rows packed with documents, whose walks are at most a
+# document long. Rows of 16384 keys (documents of 8 x 2048, 32 x 512 and mixed
+# lengths up to 8192) ran 1.02-1.04x one CTA per tile per forward call and
+# 1.01-1.06x per call in a chain of four (H200, 2026-11-27, with the order
+# ranked on the device: docs/reports/2026-11-27-h200-packed-order.md); one
+# document over the whole row is the causal band above, even at 16384.
+PACKED_BALANCED_MAX_KEYS = 16384
 
 # The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key
 # blocks in two stages beside it in shared memory.

@@ -30,10 +30,10 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BALANCED_MAX_KEYS, BIAS_FORWARD, BIAS_MAX_HEAD_DIM,
-                     HEAD_DIMS, OWN_BLOCK_BWD_MAX_HEAD_DIM, MosaicConfig,
-                     MosaicDkv, MosaicDq, MosaicForward, default_config,
-                     backward_tiles_error, has_additive_tile, padded_head_dim,
+from .config import (BALANCED_MAX_KEYS, BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
+                     OWN_BLOCK_BWD_MAX_HEAD_DIM, PACKED_BALANCED_MAX_KEYS, MosaicConfig,
+                     MosaicDkv, MosaicDq, MosaicForward, backward_tiles_error,
+                     default_config, has_additive_tile, padded_head_dim,
                      uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
@@ -72,15 +72,14 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
     # balances (blocks.balanced_order): on an H200 (2026-11-26, 16k-32k tokens,
     # H16 D128) 1.00-1.13x one CTA per tile in two runs; every n-th tile was
     # 0.75x on documents of mixed lengths (docs/reports/
-    # 2026-11-26-h200-packed-balanced-forward.md). Causal packed rows keep one
-    # CTA per tile: balanced, 0.96-1.01x of it, the order's computation on the
-    # device included (2026-11-26-h200-windowed-balanced-order.md).
+    # 2026-11-26-h200-packed-balanced-forward.md).
     persistent = spec.band.is_full
-    # Causal tiles up to 8192 keys: the hardware scheduler's start-up per CTA
-    # costs more than a balanced persistent launch's imbalance (MosaicForward).
+    # Causal tiles up to 8192 keys (packed rows: up to 16384): the hardware
+    # scheduler's start-up per CTA costs more than a balanced persistent
+    # launch's imbalance (MosaicForward, PACKED_BALANCED_MAX_KEYS).
+    most = PACKED_BALANCED_MAX_KEYS if spec.has_segment_ids else BALANCED_MAX_KEYS
     persistent = persistent or (
-        spec.band.causal and spec.band.left is None and not spec.has_segment_ids and
-        spec.seq_k <= BALANCED_MAX_KEYS)
+        spec.band.causal and spec.band.left is None and spec.seq_k <= most)
   # Uneven tiles (a band's, or documents') are balanced; the full band's even
   # ones split their last round instead (split_tail).
   balanced = (persistent and fwd.balanced is not False and

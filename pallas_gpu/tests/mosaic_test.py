@@ -248,10 +248,11 @@ def _assert_balanced(table, g, cost):
 
 
 @pytest.mark.parametrize("xp", (np, jnp))
-def test_deal_orders_by_window_then_longest_with_either_sort(xp):
-  """blocks._deal sorts the tiles by one int32 key where window and steps fit in
-  it and by a lexsort otherwise: the tables agree, on the host and the device,
-  and follow (window, longest first, tile)."""
+def test_deal_orders_by_window_then_longest_on_host_and_device(xp):
+  """blocks._deal orders the tiles on the host by one int32 key where window
+  and steps fit in it and by a lexsort otherwise, and on the device by each
+  tile's rank in its window (no sort): the tables agree and follow (window,
+  longest first, tile)."""
   rng = np.random.default_rng(3)
   steps = rng.integers(0, 40, 1000).astype(np.int32)
   one_key = np.asarray(mosaic_blocks._deal(xp.asarray(steps), 24, 40, xp))
@@ -317,14 +318,14 @@ def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
 def test_launch_defaults():
   """Persistent for the full band (with segment ids balanced in the device's
   order); persistent and balanced for a causal band up to 8192 keys at any
-  head dim; one CTA per tile for longer causal bands, windows and causal
-  segment ids."""
+  head dim, and over segment ids up to 16384 keys; one CTA per tile for
+  longer causal bands and windows."""
   def geometry(seq, d, **kw):
     s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=2, head_dim=d,
                                **kw)
     g = mosaic.geometry(s, mosaic.default_config(s))
     return bool(g.persistent_ctas), g.balanced
-  ids = (jax.ShapeDtypeStruct((1, 2048), jnp.int32),) * 2
+  ids = lambda seq: (jax.ShapeDtypeStruct((1, seq), jnp.int32),) * 2
   assert geometry(2048, 128) == (True, False)
   assert geometry(2048, 128, causal=True) == (True, True)
   assert geometry(8192, 64, causal=True) == (True, True)
@@ -332,8 +333,10 @@ def test_launch_defaults():
   assert geometry(8192, 256, causal=True) == (True, True)
   assert geometry(16384, 64, causal=True) == (False, False)
   assert geometry(2048, 128, sliding_window=(256, 0)) == (False, False)
-  assert geometry(2048, 128, causal=True, segment_ids=ids) == (False, False)
-  assert geometry(2048, 128, segment_ids=ids) == (True, True)
+  assert geometry(2048, 128, causal=True, segment_ids=ids(2048)) == (True, True)
+  assert geometry(16384, 128, causal=True, segment_ids=ids(16384)) == (True, True)
+  assert geometry(32768, 128, causal=True, segment_ids=ids(32768)) == (False, False)
+  assert geometry(2048, 128, segment_ids=ids(2048)) == (True, True)
   s = spec_lib.abstract_spec(batch=1, seq_q=2048, seq_k=2048, heads_q=2, head_dim=128,
                              causal=True)
   cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(balanced=False))
