@@ -97,8 +97,9 @@ BALANCED_MAX_KEYS = 8192
 # document long. Rows of 16384 keys (documents of 8 x 2048, 32 x 512 and mixed
 # lengths up to 8192) ran 1.02-1.04x one CTA per tile per forward call and
 # 1.01-1.06x per call in a chain of four (H200, 2026-11-27, with the order
-# ranked on the device: docs/reports/2026-11-27-h200-packed-order.md); one
-# document over the whole row is the causal band above, even at 16384.
+# ranked on the device: docs/reports/2026-11-27-h200-packed-order.md). A row
+# of one document walks as the causal band above, where the balanced launch
+# was even with one CTA per tile at 16384 without ids (not measured with ids).
 PACKED_BALANCED_MAX_KEYS = 16384
 
 # The forward's additive tile (bias / mask) needs the smaller K/V ring of 64-key

@@ -266,6 +266,21 @@ def test_deal_orders_by_window_then_longest_on_host_and_device(xp):
     assert one_key[c, 1 + r] == want[r * 24 + (23 - c if flip else c)]
 
 
+@pytest.mark.parametrize("n,ctas,most", [
+    (50, 24, 40),  # fewer tiles than one window
+    (24 * 4 * 3, 24, 40),  # whole windows only
+    (1000, 24, 3),  # a partial last window, many ties
+    (2048, 132, 128)])  # a 16k-token row's tiles on an H100 / H200
+def test_device_deal_equals_host_deal(n, ctas, most):
+  """The device's table (each tile's rank in its window, blocks._window_order)
+  is the host's (a stable sort), zero-step tiles and ties included."""
+  steps = np.random.default_rng(n).integers(0, most + 1, n).astype(np.int32)
+  steps[::7] = 0
+  host = mosaic_blocks._deal(steps, ctas, most, np)
+  device = jax.jit(lambda s: mosaic_blocks._deal(s, ctas, most, jnp))(jnp.asarray(steps))
+  np.testing.assert_array_equal(np.asarray(device), host)
+
+
 @pytest.mark.parametrize("lengths", [
     (2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled",
     (64, 64, 128)])  # the last: fewer tiles than CTAs, one round
@@ -335,7 +350,15 @@ def test_launch_defaults():
   assert geometry(2048, 128, sliding_window=(256, 0)) == (False, False)
   assert geometry(2048, 128, causal=True, segment_ids=ids(2048)) == (True, True)
   assert geometry(16384, 128, causal=True, segment_ids=ids(16384)) == (True, True)
-  assert geometry(32768, 128, causal=True, segment_ids=ids(32768)) == (False, False)
+  assert geometry(16385, 128, causal=True, segment_ids=ids(16385)) == (False, False)
+  assert geometry(2048, 128, sliding_window=(256, 0), segment_ids=ids(2048)) == (
+      False, False)
+  s = spec_lib.abstract_spec(batch=1, seq_q=1024, seq_k=4096, heads_q=2, head_dim=128,
+                             causal=True, segment_ids=(
+                                 jax.ShapeDtypeStruct((1, 1024), jnp.int32),
+                                 jax.ShapeDtypeStruct((1, 4096), jnp.int32)))
+  g = mosaic.geometry(s, mosaic.default_config(s))
+  assert g.persistent_ctas and g.balanced
   assert geometry(2048, 128, segment_ids=ids(2048)) == (True, True)
   s = spec_lib.abstract_spec(batch=1, seq_q=2048, seq_k=2048, heads_q=2, head_dim=128,
                              causal=True)
@@ -396,7 +419,8 @@ VARIANTS = [
     dict(head_dim=96, seq_q=300, seq_k=700, sliding_window=(100, 20)),
     dict(logits_soft_cap=20.0, heads_q=4, heads_kv=1), dict(dtype="float16"),
     dict(sinks=True, causal=True),
-    # The forward's launch kinds: persistent by default only for the full band.
+    # The forward's launch kinds (persistent by default for the full band and for
+    # causal bands up to 8192 keys, 16384 over segment ids).
     dict(causal=True, persistent=True), dict(persistent=False),
     dict(head_dim=256, sliding_window=(64, 0), persistent=True),
     # A persistent causal launch walking blocks.balanced_order's tiles, or
@@ -409,7 +433,9 @@ VARIANTS = [
     dict(causal=True, bwd_one_launch=False), dict(seq_q=300, seq_k=200, heads_q=4,
                                                   heads_kv=2, bwd_one_launch=False),
     # Segment ids in all three kernels (ids and visible-block tables as operands).
-    dict(segment_ids=True, causal=True), dict(segment_ids=True, bwd_one_launch=False),
+    # (Causal over ids with one CTA per tile: rows past 16384 keys.)
+    dict(segment_ids=True, causal=True, persistent=False),
+    dict(segment_ids=True, bwd_one_launch=False),
     # A persistent launch over packed documents, balanced by the device's order.
     dict(segment_ids=True, causal=True, persistent=True, balanced=True),
     dict(segment_ids=True, persistent=True, balanced=True, seq_q=300, seq_k=700),
