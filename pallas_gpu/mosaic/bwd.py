@@ -17,8 +17,9 @@ shared-memory slots with TMA. Per query block a warpgroup runs, on the tensor co
 Working on the transposes keeps every product's left operand either in shared
 memory (K, V) or in registers (P^T, dS^T), as wgmma requires, with no transpose of
 a register tile. Band blocks: each warpgroup splits the CTA's walk into skip /
-masked / plain / masked / skip phases, like the forward; skip steps still wait
-for the slot's data and release it so barrier phases stay in step.
+masked / plain / masked / skip phases, like the forward (blocks.band_walk); skip
+steps still wait for the slot's data and release it so barrier phases stay in
+step.
 
 dK and dV come out per query head; for grouped heads XLA sums each group.
 
@@ -68,9 +69,9 @@ from ...common import compat, dropout
 from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from . import pipeline
-from .blocks import (Geometry, additive_tiling, cta_block_ranges, cta_q_ranges,
-                     dropout_col_keys, dropout_keep, dropout_keys_from_halves,
-                     positions, windows)
+from .blocks import (Geometry, additive_tiling, band_walk, cta_block_ranges,
+                     cta_q_ranges, dropout_col_keys, dropout_keep,
+                     dropout_keys_from_halves, positions, windows)
 
 
 def _probs(scores, lse2, g: Geometry, bias=None):
@@ -350,8 +351,8 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return carry
 
-      walk = lambda body, carry: _band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
-                                            hi_c)
+      walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
+                                           hi_c)
 
       def write(acc, smem_block, out_ref):
         smem_block[...] = acc.astype(dtype)
@@ -473,19 +474,6 @@ def _free(stages: int):
   """Two release barriers per slot (one per operand), each awaiting both compute
   warpgroups."""
   return (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-
-
-def _band_walk(body, skip, carry, lo_c, ranges, hi_c):
-  """A warpgroup's walk of steps ``[lo_c, hi_c)`` over the band's phases: skip /
-  masked / plain / masked / skip, ``ranges`` being its ``(lo, a, b, hi)``;
-  ``body(s, carry, masked)`` runs the steps, ``skip(s, None)`` the others."""
-  lo, a, b, hi = ranges
-  lax.fori_loop(lo_c, lo, skip, None)
-  carry = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), carry)
-  carry = lax.fori_loop(a, b, lambda s, c: body(s, c, False), carry)
-  carry = lax.fori_loop(b, hi, lambda s, c: body(s, c, True), carry)
-  lax.fori_loop(hi, hi_c, skip, None)
-  return carry
 
 
 def _launch(entry, out_type, grid, grid_names):
@@ -732,8 +720,8 @@ def _dq_program(g: Geometry, dtype):
         plgpu.barrier_arrive(k_free.at[slot])
         return carry
 
-      walk = lambda body, carry: _band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
-                                            hi_c)
+      walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
+                                           hi_c)
 
       def write(acc, smem_block, out_rows):
         smem_block[...] = (acc * g.softmax_scale).astype(dtype)

@@ -26,9 +26,9 @@ and its lse in log2 units, and tail_merge.combine merges each tile's parts into
 the output and lse in place.
 
 Band blocks: the CTA walks the kv blocks that either warpgroup reaches. Each
-warpgroup splits that walk into skip / masked / plain / masked / skip phases; skip
-steps still wait for the slot's data and release it, so every thread's barrier
-phases and the ping-pong stay in step.
+warpgroup splits that walk into skip / masked / plain / masked / skip phases
+(blocks.band_walk); skip steps still wait for the slot's data and release it, so
+every thread's barrier phases and the ping-pong stay in step.
 
 Segment ids (``Geometry.segments``): each warpgroup's walk is cut to the kv blocks
 whose ids can meet its rows' (a ``[B, 4, Sqp / block_q]`` table read as scalars,
@@ -62,9 +62,8 @@ from ...common.blocking import LOG2E
 from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
-from .blocks import (Geometry, balanced_order, dropout_col_keys,
-                     dropout_keep, dropout_row_keys,
-                     positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
+from .blocks import (Geometry, balanced_order, band_walk, dropout_col_keys,
+                     dropout_keep, dropout_row_keys, positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
                      walks_ahead, windows)
 
 
@@ -271,15 +270,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           plgpu.barrier_arrive(v_free.at[slot])
           return carry
 
-        masked = lambda s, c: step(s, c, True)
-        plain = lambda s, c: step(s, c, False)
-        carry = (acc, m, l)
-        lax.fori_loop(lo_c, lo, skip, None)
-        carry = lax.fori_loop(lo, a, masked, carry)
-        carry = lax.fori_loop(a, bb, plain, carry)
-        carry = lax.fori_loop(bb, hi, masked, carry)
-        lax.fori_loop(hi, hi_c, skip, None)
-        acc, m, l = carry
+        acc, m, l = band_walk(step, skip, (acc, m, l), lo_c, (lo, a, bb, hi), hi_c)
         pl.when(wg == 0)(rendezvous)
 
         has_next = it + 1 < n_local

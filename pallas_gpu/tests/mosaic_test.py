@@ -92,6 +92,29 @@ def _geometry(seq_q, seq_k, left, right, block_kv=64):
       block_kv=block_kv, num_stages=2, dtype="bfloat16")
 
 
+@pytest.mark.parametrize("bounds", [(0, 2, 4, 7, 9, 11), (0, 0, 0, 5, 5, 5),
+                                    (1, 3, 3, 3, 6, 6), (0, 4, 4, 4, 4, 8)])
+def test_band_walk_runs_each_phase_over_its_steps(bounds):
+  """blocks.band_walk (the forward, dQ and dK/dV kernels' step loops): steps
+  [lo, a) and [b, hi) masked, [a, b) plain, the rest of [lo_c, hi_c) skipped,
+  each step once."""
+  lo_c, lo, a, b, hi, hi_c = bounds
+
+  def body(s, carry, masked):
+    return carry.at[s].add(1 if masked else 10)
+
+  def skip(s, carry):
+    assert carry is None  # skip steps carry nothing
+    return carry
+
+  got = mosaic_blocks.band_walk(body, skip, jnp.zeros(hi_c, jnp.int32), lo_c,
+                                (lo, a, b, hi), hi_c)
+  want = np.zeros(hi_c, np.int32)
+  want[lo:a] = want[b:hi] = 1
+  want[a:b] = 10
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("seq_q,seq_k,left,right", [
     (200, 333, None, None), (333, 200, None, 0), (1000, 64, 100, 20),
     (64, 1000, 5, None)])
