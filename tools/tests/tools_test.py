@@ -298,3 +298,31 @@ def test_ring_profile_full_mask_runs_the_ring_without_switches():
   assert done.stdout.count("wall clock") == 2 and "no GPU events" in done.stdout
   bad = run("contiguous", "1", "sliding")
   assert bad.returncode != 0 and "MASK is causal or full" in bad.stderr
+
+
+def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
+  """tools/mosaic_sass.sh dump: the command runs with Mosaic's PTX and ptxas
+  dumps pointed at the folder, each kernel's spill line is printed, the dumps
+  are packed for the trip off the GPU host, and the command's exit status is
+  the stage's. (The sass stage needs CUDA 13's ptxas from pip.)"""
+  import pathlib
+  import subprocess
+  import tarfile
+  script = pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
+  fake_compile = (
+      'test "$MOSAIC_GPU_DUMP_PTX$MOSAIC_GPU_DUMP_PTXAS" = 11 || exit 9; '
+      'echo ".version 9.0" > "$MOSAIC_GPU_DUMP_TO/entry_0.ptx"; '
+      'echo "    8 bytes spill stores, 24 bytes spill loads" '
+      '> "$MOSAIC_GPU_DUMP_TO/entry_0.ptxas"; exit 3')
+  dump = tmp_path / "dump"
+  done = subprocess.run(["bash", str(script), "dump", str(dump), "bash", "-c",
+                         fake_compile], capture_output=True, text=True, timeout=60)
+  assert done.returncode == 3, done.stderr
+  assert "entry_0.ptxas:    8 bytes spill stores, 24 bytes spill loads" in done.stdout
+  with tarfile.open(dump / "ptx.tar.xz") as packed:
+    assert sorted(packed.getnames()) == ["entry_0.ptx", "entry_0.ptxas"]
+  for args in ([], ["dump", str(dump)], ["sass", str(tmp_path / "none")],
+               ["nonsense", str(dump)]):
+    bad = subprocess.run(["bash", str(script), *args], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2, (args, bad.stderr)
