@@ -428,8 +428,8 @@ def band_walk(body, skip, carry, lo_c, ranges, hi_c):
   """A warpgroup's walk of steps ``[lo_c, hi_c)`` over the band's phases (the
   forward, dQ and dK/dV kernels alike): skip / masked / plain / masked / skip,
   ``ranges`` being its ``(lo, a, b, hi)``; ``body(s, carry, masked)`` runs the
-  steps, ``skip(s, None)`` the others, which still wait for the slot's data and
-  release it so that barrier phases stay in step."""
+  steps, ``skip(s, None)`` the others, which must still wait for the slot's data
+  and release it so that barrier phases stay in step."""
   lo, a, b, hi = ranges
   lax.fori_loop(lo_c, lo, skip, None)
   carry = lax.fori_loop(lo, a, lambda s, c: body(s, c, True), carry)

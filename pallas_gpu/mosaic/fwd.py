@@ -63,8 +63,8 @@ from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
 from .blocks import (Geometry, balanced_order, band_walk, dropout_col_keys,
-                     dropout_keep, dropout_row_keys, positions, tail_plan, tile_coords, tiles_of_cta, unit_tile,
-                     walks_ahead, windows)
+                     dropout_keep, dropout_row_keys, positions, tail_plan,
+                     tile_coords, tiles_of_cta, unit_tile, walks_ahead, windows)
 
 
 # Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and

@@ -304,7 +304,7 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
   """tools/mosaic_sass.sh dump: the command runs with Mosaic's PTX and ptxas
   dumps pointed at the folder, each kernel's spill line is printed, the dumps
   are packed for the trip off the GPU host, and the command's exit status is
-  the stage's. (The sass stage needs CUDA 13's ptxas from pip.)"""
+  the stage's. (The sass stage needs CUDA 13.5's ptxas from pip.)"""
   import pathlib
   import subprocess
   import tarfile
@@ -321,8 +321,16 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
   assert "entry_0.ptxas:    8 bytes spill stores, 24 bytes spill loads" in done.stdout
   with tarfile.open(dump / "ptx.tar.xz") as packed:
     assert sorted(packed.getnames()) == ["entry_0.ptx", "entry_0.ptxas"]
+  # A folder of earlier dumps is refused; a command that compiles no kernel
+  # fails even when it exits 0.
+  again = subprocess.run(["bash", str(script), "dump", str(dump), "true"],
+                         capture_output=True, text=True, timeout=60)
+  assert again.returncode == 2 and "not empty" in again.stderr
+  none = subprocess.run(["bash", str(script), "dump", str(tmp_path / "new"), "true"],
+                        capture_output=True, text=True, timeout=60)
+  assert none.returncode == 1 and "no entry_*.ptx" in none.stderr
   for args in ([], ["dump", str(dump)], ["sass", str(tmp_path / "none")],
-               ["nonsense", str(dump)]):
+               ["sass", str(tmp_path / "new")], ["nonsense", str(dump)]):
     bad = subprocess.run(["bash", str(script), *args], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2, (args, bad.stderr)
