@@ -80,11 +80,11 @@ def summarize(events, n: int):
   return span, busy / n, span - busy / n, kernels
 
 
-def measure(fn, args, n: int):
+def trace(f, args, n: int):
+  """``n`` back-to-back calls of ``f`` (compiled and warm) under
+  ``jax.profiler``: wall time per call (us) and :func:`summarize` of the
+  device events."""
   import jax
-  f = jax.jit(fn)
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       t0 = time.perf_counter()
@@ -93,6 +93,15 @@ def measure(fn, args, n: int):
       jax.block_until_ready(out)
       wall = (time.perf_counter() - t0) * 1e6 / n
     return wall, summarize(device_events(d), n)
+
+
+def measure(fn, args, n: int):
+  """:func:`trace` of ``fn`` jitted, after two warm-up calls."""
+  import jax
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  return trace(f, args, n)
 
 
 def main(argv):

@@ -11,8 +11,7 @@ from flashjax.common.timer import time_interleaved_ms
 from flashjax.pallas_gpu.mosaic import blocks
 from flashjax.pallas_gpu.mosaic.config import MosaicConfig, MosaicForward
 sys.path.insert(0, ".")
-import tempfile
-from tools.launch_gaps import device_events, summarize
+from tools.launch_gaps import trace
 
 print(jax.devices()[0].device_kind, jax.__version__, flush=True)
 H, D = 16, 128
@@ -75,12 +74,7 @@ for docs, causal in (((2048,) * 8, True), ((512,) * 32, True), (shapes.MIXED_16K
   for name in ("bal", "bal-sort"):
     f, a = fwd[name]
     jax.block_until_ready(f(*a))
-    with tempfile.TemporaryDirectory() as d:
-      with jax.profiler.trace(d):
-        for _ in range(20):
-          r = f(*a)
-        jax.block_until_ready(r)
-      span, busy, idle, kernels = summarize(device_events(d), 20)
+    _, (span, busy, idle, kernels) = trace(f, a, 20)
     top = sorted(kernels.items(), key=lambda x: -x[1])[:4]
     print(f"  {label} {name} trace: kernels {busy:.1f} us idle {idle:.1f} | " +
           " | ".join(f"{kn[:28]} {kt:.1f}" for kn, kt in top), flush=True)

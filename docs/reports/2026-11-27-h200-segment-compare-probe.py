@@ -4,13 +4,13 @@ traced with the switches of 2026-11-27-h200-segment-compare-probe.patch set
 (they are read when a call is traced). This is the last run's set of arms (run
 7 in the raw output); each earlier run named its own switches in ``SW`` and
 its arms in ``calls``."""
-import os, sys, tempfile
+import os, sys
 import jax, jax.numpy as jnp, numpy as np
 import flashjax
 from flashjax.common.timer import time_interleaved_ms
 from flashjax.pallas_gpu.mosaic.config import MosaicConfig, MosaicForward
 sys.path.insert(0, ".")
-from tools.launch_gaps import device_events, summarize
+from tools.launch_gaps import trace
 print(jax.devices()[0].device_kind, jax.__version__, flush=True)
 H, D, N, L = 16, 128, 8, 2048
 ks = jax.random.split(jax.random.key(0), 3)
@@ -55,12 +55,7 @@ for rnd in range(2):
     print(f"  run{rnd} {n:28s} {ms:.4f} ms  none/this {t['none'] / ms:.3f}  zero/this {t['zero']/ms:.3f}", flush=True)
 for n, (f, a) in calls.items():
   jax.block_until_ready(f(*a))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(20):
-        r = f(*a)
-      jax.block_until_ready(r)
-    span, busy, idle, kernels = summarize(device_events(d), 20)
+  _, (span, busy, idle, kernels) = trace(f, a, 20)
   top = sorted(kernels.items(), key=lambda x: -x[1])[:3]
   print(f"  {n:28s} trace: kernels {busy:.1f} us | " +
         " | ".join(f"{kn[:24]} {kt:.1f}" for kn, kt in top), flush=True)

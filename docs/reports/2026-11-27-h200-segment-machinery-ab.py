@@ -4,13 +4,12 @@ each with the balanced launch (default) and one CTA per tile; and the same
 documents packed into one row. Full calls in interleaved rounds; GPU time per
 kernel from a profiler trace."""
 import sys
-import tempfile
 import jax, jax.numpy as jnp, numpy as np
 import flashjax
 from flashjax.common.timer import time_interleaved_ms
 from flashjax.pallas_gpu.mosaic.config import MosaicConfig, MosaicForward
 sys.path.insert(0, ".")
-from tools.launch_gaps import device_events, summarize
+from tools.launch_gaps import trace
 
 print(jax.devices()[0].device_kind, jax.__version__, flush=True)
 H, D, N, L = 16, 128, 8, 2048
@@ -45,12 +44,7 @@ for n, ms in t.items():
         flush=True)
 for n, (f, a) in calls.items():
   jax.block_until_ready(f(*a))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(20):
-        r = f(*a)
-      jax.block_until_ready(r)
-    span, busy, idle, kernels = summarize(device_events(d), 20)
+  _, (span, busy, idle, kernels) = trace(f, a, 20)
   top = sorted(kernels.items(), key=lambda x: -x[1])[:3]
   print(f"  {n:24s} trace: kernels {busy:.1f} us | " +
         " | ".join(f"{kn[:24]} {kt:.1f}" for kn, kt in top), flush=True)
