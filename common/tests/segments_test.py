@@ -152,3 +152,77 @@ def test_single_id_blocks_are_one_unbroken_run():
   lo_b, hi_b = segments.single_id_blocks(rb, rb)
   assert int(hi_b[0, 0] - lo_b[0, 0]) == 0
   assert (int(lo_b[0, 1]), int(hi_b[0, 1])) == (1, 2)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _spans(q_ids, kv_ids, band, seq_q, seq_k, over_kv):
+  return segments.spans(q_ids, kv_ids, band, seq_q, seq_k, over_kv=over_kv)
+
+
+def _span_mask(spans, n_other, over_kv):
+  """The ``[B, Sq', Sk']`` mask that per-row spans ``[B, 2, n]`` describe."""
+  other = np.arange(n_other)[None, None, :]
+  lo, hi = spans[:, 0, :, None], spans[:, 1, :, None]
+  m = (other >= lo) & (other < hi)
+  return m if over_kv else np.swapaxes(m, 1, 2)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(p=problems(), pad=st.sampled_from([0, 5]), padding_id=st.booleans(),
+       big_ids=st.booleans())
+def test_spans_are_the_dense_mask_for_contiguous_segments(p, pad, padding_id, big_ids):
+  """Each query's key span (each key's query span), with the band and the real
+  lengths folded in, is exactly the dense mask for contiguous segments: sorted
+  or shuffled documents, with or without a trailing padding id, ids at both
+  ends of their side's range ``[-S, S)``, and ids padded past the real lengths
+  by repeating the last one (as the kernels' operands are)."""
+  rng = np.random.default_rng(p["seed"])
+  b, sq, sk = p["batch"], p["seq_q"], p["seq_k"]
+  if p["order"] == "random":  # not contiguous: no promise to check
+    p = dict(p, order="shuffled")
+  band = Band(seq_q=sq, seq_k=sk, **BANDS[p["band"]])
+  q_ids = documents(rng, b, sq, p["max_doc"], p["order"])
+  kv_ids = q_ids if p["shared"] else documents(rng, b, sk, p["max_doc"], p["order"])
+  if padding_id:  # varlen padding: a trailing run of -1 on each side
+    q_ids, kv_ids = q_ids.copy(), kv_ids.copy()
+    q_ids[:, sq - sq // 4:] = -1
+    kv_ids[:, sk - sk // 3:] = -1
+    if p["shared"]:
+      kv_ids = q_ids
+  if big_ids and min(sq, sk) >= 4:  # ids at both ends of [-S, S)
+    spread = lambda x, n: np.where(x < 0, x, np.where(
+        x % 2 == 0, n - 1 - x // 2, -n + x // 2)).astype(np.int32)
+    q_ids, kv_ids = (spread(q_ids, min(sq, sk)),
+                     spread(q_ids if p["shared"] else kv_ids, min(sq, sk)))
+  edge = lambda x: np.pad(x, ((0, 0), (0, pad)), mode="edge")
+  qp, kp = edge(q_ids), edge(kv_ids)
+  rows, cols = np.arange(sq + pad)[:, None], np.arange(sk + pad)[None, :]
+  dense = (qp[:, :, None] == kp[:, None, :]) & (rows < sq) & (cols < sk)
+  if not band.is_full:
+    dense &= np.asarray(band_allowed(rows, cols, band))
+  keep = (rows < sq) & (cols < sk)  # rows past the real lengths are never read
+  for over_kv in (True, False):
+    span = np.asarray(_spans(qp, kp, band, sq, sk, over_kv))
+    assert span.shape == (b, 2, (sq if over_kv else sk) + pad)
+    got = _span_mask(span, (sk if over_kv else sq) + pad, over_kv)
+    np.testing.assert_array_equal(got & keep, dense, err_msg=f"over_kv={over_kv}")
+
+
+def test_a_query_id_absent_from_the_keys_sees_nothing():
+  """A query whose id no key holds gets an empty span, also where its id shares
+  a slot with a key's (ids equal modulo twice the keys' length)."""
+  q = jnp.asarray([[0, 7, 64, 3, 2**31 - 1, 69]], jnp.int32)
+  kv = jnp.asarray([[0, 0, 3, 3] + [5] * 28], jnp.int32)
+  span = segments.spans(q, kv, None, 6, 32)
+  np.testing.assert_array_equal(np.asarray(span)[0],
+                                [[0, 0, 0, 2, 0, 0], [2, 0, 0, 4, 0, 0]])
+
+
+def test_ids_at_both_ends_of_their_range_keep_their_own_runs():
+  """Ids ``-S`` and ``0`` (and ``-1`` and ``S - 1``) differ by the length: each
+  keeps its own run."""
+  kv = jnp.asarray([[0] * 8 + [-32] * 8 + [31] * 8 + [-1] * 8], jnp.int32)
+  q = jnp.asarray([[-32, 0, -1, 31]], jnp.int32)
+  span = segments.spans(q, kv, None, 4, 32)
+  np.testing.assert_array_equal(np.asarray(span)[0], [[8, 0, 24, 16], [16, 8, 32, 24]])
