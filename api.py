@@ -110,7 +110,8 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
                     sliding_window=None, segment_ids=None, key_padding_mask=None,
                     softmax_scale=None, logits_soft_cap=None, sinks=None,
                     dropout_rate=0.0, dropout_seed=None, return_lse=False,
-                    backend=None, platform=None, config=None, interpret=False):
+                    contiguous_segments=False, backend=None, platform=None,
+                    config=None, interpret=False):
   """Exact attention with the flashjax contract, on the best platform available.
 
   Args:
@@ -130,6 +131,13 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
     sinks: ``[Hq]`` or ``[Hq, n]`` logits joining the denominator only.
     dropout_rate, dropout_seed: dropout on probabilities (common hash).
     return_lse: also return ``lse [B, Hq, Sq]`` (fp32).
+    contiguous_segments: the promise that in every row of ``segment_ids``, q's
+      and kv's, each id's positions form one unbroken run and the ids lie in
+      ``[-S, S)`` for their side's length ``S`` (packed documents numbered from
+      0, a negative padding id included). Kernels may then mask by position
+      spans instead of comparing ids (the Hopper kernels do). Checked where the
+      ids are concrete (``ValueError``); under ``jit``, ids that break it give
+      undefined results.
     backend: "cpu" | "gpu" | "tpu"; default from the inputs' devices.
     platform: "xla" (alias "jax"), "pallas", "pallas-triton", "triton"; default:
       the backend's preferred order, falling through on NotImplementedError.
@@ -147,17 +155,21 @@ def flash_attention(q, k, v, *, bias=None, mask=None, causal=False,
   from . import ring  # q, k, v split along the sequence: a ring, not a gather
   route = ring.sequence_axis(q, k)
   if route is not None:
+    if contiguous_segments and segment_ids is not None:
+      spec_lib.check_contiguous_segments(segment_ids)  # before the shards hide it
     return ring.sharded_call(
         route, q, k, v, bias=bias, mask=mask, causal=causal,
         sliding_window=sliding_window, segment_ids=segment_ids,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_lse=return_lse,
-        backend=backend, platform=platform, config=config, interpret=interpret)
+        contiguous_segments=contiguous_segments, backend=backend, platform=platform,
+        config=config, interpret=interpret)
   ops, spec = spec_lib.canonicalize(
       q, k, v, bias=bias, mask=mask, causal=causal, sliding_window=sliding_window,
       segment_ids=segment_ids, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
-      dropout_seed=dropout_seed, return_lse=return_lse)
+      dropout_seed=dropout_seed, return_lse=return_lse,
+      contiguous_segments=contiguous_segments)
   out, lse = dispatch(ops, spec, backend=detect_backend(backend, q),
                       platform=platform, config=config, interpret=interpret)
   return (out, lse) if return_lse else out

@@ -39,7 +39,8 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
                    sliding_window=None, segment_ids=None, softmax_scale=None,
                    logits_soft_cap=None, sinks=None, dropout_rate=0.0,
                    dropout_seed=None, return_lse=False, bias=None, mask=None,
-                   backend=None, platform=None, config=None, interpret=False):
+                   contiguous_segments=False, backend=None, platform=None,
+                   config=None, interpret=False):
   """Exact attention over sequences split along the mesh axis ``axis_name``; call
   it inside ``shard_map`` on each device's shard.
 
@@ -59,8 +60,10 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
       sequences.
     layout: "contiguous" or "zigzag".
     causal, sliding_window, segment_ids (local shards), softmax_scale,
-      logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse, backend,
-      platform, config, interpret: as in ``flash_attention``.
+      logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse,
+      contiguous_segments (of the local shards' ids, which the zigzag layout
+      keeps for contiguous whole sequences), backend, platform, config,
+      interpret: as in ``flash_attention``.
     bias, mask: broadcastable to ``[B, Hq, Sq/n, Sk]``: this device's query rows
       and all keys as columns, in the layout's order (the devices' shards one
       after another); a bias with one row for all queries gets its gradient
@@ -74,16 +77,16 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
       sliding_window=sliding_window, segment_ids=segment_ids,
       softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
       dropout_rate=dropout_rate, dropout_seed=dropout_seed, return_lse=return_lse,
-      bias=bias, mask=mask, backend=backend, platform=platform, config=config,
-      interpret=interpret)
+      bias=bias, mask=mask, contiguous_segments=contiguous_segments, backend=backend,
+      platform=platform, config=config, interpret=interpret)
 
 
 def _ring_attention(q, k, v, *, axis_name, layout="contiguous", causal=False,
                     sliding_window=None, segment_ids=None, softmax_scale=None,
                     logits_soft_cap=None, sinks=None, dropout_rate=0.0,
                     dropout_seed=None, return_lse=False, bias=None, mask=None,
-                    backend=None, platform=None, config=None, interpret=False,
-                    batch_axes=(), head_axes=()):
+                    contiguous_segments=False, backend=None, platform=None,
+                    config=None, interpret=False, batch_axes=(), head_axes=()):
   ring_lib.check_layout(layout)
   try:
     n = jax.lax.axis_size(axis_name)
@@ -94,7 +97,8 @@ def _ring_attention(q, k, v, *, axis_name, layout="contiguous", causal=False,
       q, k, v, causal=causal, sliding_window=sliding_window,
       segment_ids=segment_ids, softmax_scale=softmax_scale,
       logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
-      dropout_seed=dropout_seed, return_lse=return_lse)
+      dropout_seed=dropout_seed, return_lse=return_lse,
+      contiguous_segments=contiguous_segments)
   # Bias and mask rows are this device's; their columns are all keys.
   full = (spec.batch, spec.heads_q, spec.seq_q, n * spec.seq_k)
   shapes = {}

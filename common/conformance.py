@@ -91,6 +91,7 @@ class Case:
   causal: bool = False
   sliding_window: object = None
   segment_ids: str | None = None  # "packed" | "padded" | "disjoint"
+  contiguous_segments: bool = False  # passed only when True
   bias_shape: tuple | None = None  # "full" dims written as -1
   mask_shape: tuple | None = None
   softmax_scale: float | None = None
@@ -178,6 +179,8 @@ def make_inputs(case: Case):
   static = dict(causal=case.causal, sliding_window=case.sliding_window,
                 softmax_scale=case.softmax_scale,
                 logits_soft_cap=case.logits_soft_cap, dropout_rate=case.dropout_rate)
+  if case.contiguous_segments:
+    static["contiguous_segments"] = True
   return diff, const, static
 
 
@@ -377,6 +380,15 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   def test_segment_ids(self, kind):
     self.check(Case(batch=2, seq_q=150, seq_k=150 if kind == "packed" else 210,
                     segment_ids=kind, seed=13))
+
+  @pytest.mark.parametrize("kind,band", [
+      ("packed", dict(causal=True)), ("padded", dict(sliding_window=(20, 5))),
+      ("documents", dict())])
+  def test_contiguous_segment_ids(self, kind, band):
+    """The promise that each id is one run (packed documents, a trailing
+    padding id, documents in any order), under a band or none."""
+    self.check(Case(batch=2, seq_q=150, seq_k=210 if kind == "padded" else 150,
+                    segment_ids=kind, contiguous_segments=True, seed=19, **band))
 
   @pytest.mark.parametrize("shape", [(-1, -1, -1, -1), (1, -1, -1, -1), (-1, -1),
                                      (-1, 1, 1, -1), (-1, 1, -1)])

@@ -41,6 +41,9 @@ class AttentionSpec:
   band: Band
   causal: bool = False
   has_segment_ids: bool = False
+  # The caller's promise that each segment id's positions form one run in q and
+  # in kv (packed documents): kernels may mask by position spans instead.
+  contiguous_segments: bool = False
   bias_shape: tuple[int, ...] | None = None  # rank 4, broadcastable
   mask_shape: tuple[int, ...] | None = None  # rank 4, broadcastable
   logits_soft_cap: float | None = None
@@ -197,6 +200,29 @@ def sinks_per_head(sinks, hq: int):
   return sinks, sinks.shape[1]
 
 
+def check_contiguous_segments(segment_ids):
+  """Raises ``ValueError`` where concrete segment ids break the promise of
+  ``contiguous_segments``: an id outside ``[-S, S)`` (``S`` its side's length)
+  or whose positions in a row form more than one run. Traced ids (under
+  ``jit``) and shapes alone cannot be checked here."""
+  for name, ids in zip(("segment_ids[0] (q)", "segment_ids[1] (kv)"), segment_ids):
+    if isinstance(ids, jax.core.Tracer) or not isinstance(ids, (jax.Array, np.ndarray)):
+      continue
+    x = np.asarray(ids)
+    n = x.shape[-1]
+    if x.size and (x.min() < -n or x.max() >= n):
+      bad = x.min() if x.min() < -n else x.max()
+      raise ValueError(f"contiguous_segments=True needs {name} in [-{n}, {n}) (its "
+                       f"length), got id {bad}")
+    for b, row in enumerate(x):
+      starts = row[np.r_[True, row[1:] != row[:-1]]]
+      values, counts = np.unique(starts, return_counts=True)
+      if (counts > 1).any():
+        raise ValueError(
+            f"contiguous_segments=True, but {name} row {b} holds id "
+            f"{values[counts > 1][0]} in {counts[counts > 1][0]} separate runs")
+
+
 def int32_segment_ids(q_ids, kv_ids):
   """Segment ids as int32, equal exactly where the given ids are equal.
 
@@ -220,7 +246,7 @@ def int32_segment_ids(q_ids, kv_ids):
 def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
                  sliding_window=None, segment_ids=None, softmax_scale=None,
                  logits_soft_cap=None, sinks=None, dropout_rate=0.0,
-                 dropout_seed=None, return_lse=False):
+                 dropout_seed=None, return_lse=False, contiguous_segments=False):
   """Validates a call of the contract; returns ``(Operands, AttentionSpec)``."""
   qs, ks, vs = shape_of(q, "q"), shape_of(k, "k"), shape_of(v, "v")
   for name, s in (("q", qs), ("k", ks), ("v", vs)):
@@ -281,6 +307,12 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
       if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer, got dtype {_dtype_name(ids)}")
     q_ids, kv_ids = int32_segment_ids(q_ids, kv_ids)
+  if not isinstance(contiguous_segments, bool):
+    raise ValueError(f"contiguous_segments must be a bool, got {contiguous_segments!r}")
+  if contiguous_segments:
+    if q_ids is None:
+      raise ValueError("contiguous_segments=True needs segment_ids")
+    check_contiguous_segments(segment_ids)
 
   logits_soft_cap = soft_cap(logits_soft_cap)
   sinks, num_sinks = sinks_per_head(sinks, hq)
@@ -318,6 +350,7 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
       batch=b, seq_q=sq, seq_k=sk, heads_q=hq, heads_kv=hkv, head_dim=d,
       head_dim_v=dv, dtype=_dtype_name(q), softmax_scale=float(softmax_scale),
       band=band, causal=causal, has_segment_ids=q_ids is not None,
+      contiguous_segments=contiguous_segments,
       bias_shape=bias_shape, mask_shape=mask_shape,
       logits_soft_cap=logits_soft_cap, num_sinks=num_sinks,
       dropout_rate=dropout_rate, return_lse=return_lse)

@@ -186,13 +186,17 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   # fits the key rows, with no layout of total_q + total_k rows and, under jit,
   # no lax.cond (whose predicate a GPU hands to the host first).
   on_diagonal = is_causal or window_size[1] == 0
-  attend = lambda q, k, v, q_ids, kv_ids: api.flash_attention(
+  attend = lambda q, k, v, q_ids, kv_ids, runs=False: api.flash_attention(
       q[None], k[None], v[None], softmax_scale=softmax_scale, causal=is_causal,
-      sliding_window=tuple(window_size), segment_ids=(q_ids[None], kv_ids[None]))[0]
+      sliding_window=tuple(window_size), segment_ids=(q_ids[None], kv_ids[None]),
+      contiguous_segments=runs)[0]
 
   def packed(q, k, v):
+    # Sequences one after another, then a padding id: each id one run, unless
+    # seqused_k leaves unused key rows inside sequences.
     return attend(q, k, v, _cu_to_ids(cu_seqlens_q, q.shape[0], -1),
-                  _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k))
+                  _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k),
+                  seqused_k is None)
 
   def end_aligned(q, k, v):
     pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],

@@ -64,6 +64,14 @@ BAD = [
     ("seed shape", dict(dropout_rate=0.1, dropout_seed=jnp.ones((2,), jnp.int32)),
      r"dropout_seed must be an integer scalar"),
     ("return_lse", dict(return_lse=1), r"return_lse must be a bool, got 1"),
+    ("contiguous type", dict(segment_ids=(ids_q, ids_k), contiguous_segments=1),
+     r"contiguous_segments must be a bool, got 1"),
+    ("contiguous alone", dict(contiguous_segments=True),
+     r"contiguous_segments=True needs segment_ids"),
+    ("contiguous runs", dict(
+        segment_ids=(ids_q, ids_k.at[1, 3].set(7).at[1, 5:7].set(7)),
+        contiguous_segments=True),
+     r"segment_ids\[1\] \(kv\) row 1 holds id 0 in 3 separate runs"),
     ("not array", dict(q=[[1.0]]), r"q must be an array, got list"),
 ]
 
@@ -136,3 +144,36 @@ def test_validation_under_jit_is_static():
     return spec_lib.canonicalize(q, k, v, causal=True)[0].q
 
   np.testing.assert_array_equal(f(q), q)
+
+
+def test_contiguous_segments_reach_the_spec_and_traced_ids_pass_unchecked():
+  """The promise travels in the spec; ids traced under jit cannot be checked
+  when the call is traced, so a broken promise passes there (the docs say
+  its results are undefined)."""
+  runs = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, -1]] * B, jnp.int32)
+  _, spec = spec_lib.canonicalize(q, q, q, segment_ids=(runs, runs),
+                                  contiguous_segments=True)
+  assert spec.contiguous_segments and spec.has_segment_ids
+  assert not spec_lib.canonicalize(q, q, q, segment_ids=(runs, runs))[1].contiguous_segments
+  broken = runs.at[:, 7].set(0)
+  with pytest.raises(ValueError, match=r"segment_ids\[0\] \(q\) row 0 holds id 0"):
+    spec_lib.canonicalize(q, q, q, segment_ids=(broken, broken), contiguous_segments=True)
+
+  @jax.jit
+  def traced(ids):
+    return spec_lib.canonicalize(q, q, q, segment_ids=(ids, ids),
+                                 contiguous_segments=True)[0].q_segment_ids
+  np.testing.assert_array_equal(traced(broken), broken)
+
+
+def test_contiguous_segments_need_ids_within_their_length():
+  """Ids outside ``[-S, S)`` of their side break the promise (the kernels'
+  hash slots need them there): named with the side and the id."""
+  runs = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, -8]] * B, jnp.int32)
+  spec_lib.canonicalize(q, q, q, segment_ids=(runs, runs), contiguous_segments=True)
+  with pytest.raises(ValueError, match=r"segment_ids\[1\] \(kv\) in \[-8, 8\).*got id 8"):
+    spec_lib.canonicalize(q, q, q, segment_ids=(runs, runs.at[:, 0:2].set(8)),
+                          contiguous_segments=True)
+  with pytest.raises(ValueError, match=r"segment_ids\[0\] \(q\) in \[-8, 8\).*got id -9"):
+    spec_lib.canonicalize(q, q, q, segment_ids=(runs.at[:, 7].set(-9), runs),
+                          contiguous_segments=True)
