@@ -62,6 +62,10 @@ class Geometry:
   # Segment ids: the kernels take q and kv ids and a per-block table of the kv
   # (forward, dQ) or q (dK/dV) blocks the ids leave visible (segment_narrow).
   segments: bool = False
+  # Contiguous segments (each id's positions one run): the own side's spans of
+  # the other (common/segments.spans) replace its ids, the other side's ids do
+  # not stream, and masked steps compare positions (mosaic.segment_operands).
+  segment_spans: bool = False
   # Forward with an additive logit tile (a bias and/or a dense mask as 0 / -inf):
   # its dtype, and whether the operand has a batch and a head axis (else one
   # slice is broadcast).

@@ -38,8 +38,11 @@ log2(e) - lse * log2(e)), dP = dO V^T, dS = P (dP - delta), dQ += dS K per block
 
 Segment ids (``Geometry.segments``), as in the forward: each warpgroup's walk is
 cut to the blocks whose ids can meet its own (a ``[B, 4, n]`` table per
-warpgroup block), blocks of more than the warpgroup's own id are masked; the ids of a warpgroup's own
-rows (keys) come once, the streamed side's with each slot.
+warpgroup block), blocks of more than the warpgroup's own id are masked; the ids
+of a warpgroup's own rows (keys) come once, the streamed side's with each slot.
+With contiguous segments (``Geometry.segment_spans``), every kernel compares
+positions with its own rows' (keys') spans instead and streams no ids, as the
+forward does.
 
 Dropout (``Geometry.dropout_rate``): each row's dropout key (common/dropout.py,
 hashed in XLA) rides in the row stats as two exact 16-bit halves, so the dK/dV
@@ -187,17 +190,19 @@ def registers(g: Geometry) -> tuple[int, int]:
 
 
 def _segment_scoped(g: Geometry, own: int, streamed: int):
-  """Shared memory and barriers for the ids of a CTA's two warpgroup blocks
-  (``own`` each) and of each ring slot (``streamed`` each)."""
+  """Shared memory and barriers for the ids (or with ``g.segment_spans`` the
+  spans) of a CTA's two warpgroup blocks (``own`` each) and the ids of each ring
+  slot (``streamed`` each)."""
   if not g.segments:
     return ()
-  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
+  own_shape = (2, 2, own) if g.segment_spans else (2, own)
+  return ((plgpu.SMEM(own_shape, jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
           (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.num_stages)))
 
 
 def _segment_parts(g: Geometry, seg, b_idx):
-  """``(visible(i), (own ids ref, streamed ids ref, shared memory, barriers))`` of
-  a kernel with segment ids, or Nones."""
+  """``(visible(i), (own ids or spans ref, streamed ids ref, shared memory,
+  barriers))`` of a kernel with segment ids, or Nones."""
   if not g.segments:
     return None, None
   (own_ref, streamed_ref, vis_ref), smem, bars = seg
@@ -261,10 +266,10 @@ def _dkv_program(g: Geometry, dtype):
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
         k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
-                                 plgpu.Layout.WGMMA.reduce(1))
+                                 plgpu.Layout.WGMMA.reduce(1), g.segment_spans)
 
       def q_ids(slot, load):
-        if not g.segments:
+        if not g.segments or g.segment_spans:
           return None
         return pipeline.slot_ids(qid_bar, qid_smem, slot,
                                  plgpu.Layout.WGMMA.reduce(0), load)
@@ -306,9 +311,13 @@ def _dkv_program(g: Geometry, dtype):
         qi = q_ids(slot, masked)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
-          ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
-          if g.segments:
-            same = (lax.broadcast_in_dim(k_ids, (bk, bq), [0]) ==
+          if g.segment_spans:  # the band and Sq are in the keys' spans
+            ok = ((qrows >= lax.broadcast_in_dim(k_ids[0], (bk, bq), [0])) &
+                  (qrows < lax.broadcast_in_dim(k_ids[1], (bk, bq), [0])))
+          else:
+            ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
+          if g.segments and not g.segment_spans:
+            same = (lax.broadcast_in_dim(k_ids[0], (bk, bq), [0]) ==
                     lax.broadcast_in_dim(qi, (bk, bq), [1]))
             ok = same if ok is None else ok & same
           if ok is not None:
@@ -437,7 +446,7 @@ def _dkv_program(g: Geometry, dtype):
                               q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
                               st_smem.at[slot], st_bar.at[slot])
-      if g.segments:
+      if g.segments and not g.segment_spans:
         _, qid_ref, (_, qid_smem), (_, qid_bar) = ids
         plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(s * bq, bq)],
                                 qid_smem.at[slot], qid_bar.at[slot])
@@ -496,11 +505,6 @@ def _run(kernel, scoped, ins, outs, where, seg_refs):
   pl.run_scoped(body, *scoped, collective_axes="wg")
 
 
-def _dkv_ids(seg):
-  """The dK/dV kernel takes its own (kv) ids first."""
-  return (seg[1], seg[0], seg[2]) if seg else ()
-
-
 def _inputs(refs, seed, bias, g: Geometry):
   """``(q, k, v, do, stats, seed or None, bias or None)`` refs (q, K, V and dO
   as the windows at ``g``'s offsets) and the rest."""
@@ -538,9 +542,11 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype; or
   larger arrays holding them at ``g.q_at`` (q and dO), ``g.k_at``, ``g.v_at``),
   ``stats [B, Hq, 2, Sqp]`` fp32: lse in log2 units (+inf on empty and padded
-  rows) and delta; ``segments``: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and the
-  visible q blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
-  (mosaic.segment_operands), or (); ``seed`` with dropout: the int32 words of
+  rows) and delta; ``segments``: kv ids ``[B, Skp]`` (with ``g.segment_spans``
+  each key's span of rows ``[B, 2, Skp]``), q ids ``[B, Sqp]`` and the visible q
+  blocks per warpgroup key block ``[B, 4, Skp / block_kv]``
+  (mosaic.segment_operands with ``over_kv=False``), or (); ``seed`` with
+  dropout: the int32 words of
   ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
   row's dropout key in two more rows; ``bias`` with ``g.bias_dtype``: the
   forward's additive tile transposed, ``[B|1, H|1, Skp, Sqp]``. Returns ``dk, dv
@@ -556,7 +562,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
                  (g.batch, g.heads_q, g.num_kv_tiles), ("b", "h", "kt"))(
-                     q, k, v, do, stats, *_optional(seed, bias), *_dkv_ids(segments))
+                     q, k, v, do, stats, *_optional(seed, bias), *segments)
 
 
 def _dq_program(g: Geometry, dtype):
@@ -612,11 +618,11 @@ def _dq_program(g: Geometry, dtype):
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
         q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
-                                 plgpu.Layout.WGMMA.reduce(1))
+                                 plgpu.Layout.WGMMA.reduce(1), g.segment_spans)
       plgpu.barrier_wait(st_bar.at[wg])
 
       def kv_ids(slot, load):
-        if not g.segments:
+        if not g.segments or g.segment_spans:
           return None
         return pipeline.slot_ids(kid_bar, kid_smem, slot,
                                  plgpu.Layout.WGMMA.reduce(0), load)
@@ -675,11 +681,15 @@ def _dq_program(g: Geometry, dtype):
         p, tanh = _probs(scores, row(lse2), g, bias)
         if masked:
           qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
-          ok = keys < g.seq_k
-          if not g.band.is_full:
+          if g.segment_spans:  # the band and Sk are in the rows' spans
+            ok = ((keys >= lax.broadcast_in_dim(q_ids[0], (bq, bk), [0])) &
+                  (keys < lax.broadcast_in_dim(q_ids[1], (bq, bk), [0])))
+          else:
+            ok = keys < g.seq_k
+          if not g.band.is_full and not g.segment_spans:
             ok = ok & band_allowed(qrows, keys, g.band)
-          if g.segments:
-            ok = ok & (lax.broadcast_in_dim(q_ids, (bq, bk), [0]) ==
+          if g.segments and not g.segment_spans:
+            ok = ok & (lax.broadcast_in_dim(q_ids[0], (bq, bk), [0]) ==
                        lax.broadcast_in_dim(k_ids, (bq, bk), [1]))
           p = jnp.where(ok, p, 0.0)
         return p, tanh
@@ -805,7 +815,7 @@ def _dq_program(g: Geometry, dtype):
         g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
         lax.div(h, jnp.int32(g.group)),
         copy=functools.partial(_copy_halves, g) if roles else pipeline.copy_block)
-    if g.segments:
+    if g.segments and not g.segment_spans:
       _, kid_ref, (_, kid_smem), (_, kid_bar) = ids
       load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
     if additive:
@@ -854,8 +864,9 @@ def _dq_tile(g: Geometry, index):
 
 def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   """Same operands as :func:`dkv` with the forward's padding (Sq to ``2 *
-  block_q``, Sk to ``block_kv``); ``segments`` with the visible kv blocks per
-  warpgroup row block; ``bias``: the additive tile ``[B|1, H|1, Sqp, Skp]``.
+  block_q``, Sk to ``block_kv``); ``segments`` as mosaic.segment_operands gives
+  them (the rows' ids or key spans first, the visible kv blocks per warpgroup
+  row block); ``bias``: the additive tile ``[B|1, H|1, Sqp, Skp]``.
   Returns ``dq [B, Sqp, Hq, D]`` (q's dtype) and, with ``g.bias_grad``, dS
   ``[B, Hq, Sqp, Skp]`` in :func:`ds_dtype` (else None)."""
   scoped, kernel = _dq_program(g, q.dtype)
@@ -891,7 +902,6 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
   n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q
   first_dq = n_kv * heads * g_dq.batch
-  seg_dkv = _dkv_ids(seg_dkv)
   n1, n2 = len(seg_dq), len(seg_dkv)
 
   def split(i, n):

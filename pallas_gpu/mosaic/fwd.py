@@ -33,8 +33,19 @@ every thread's barrier phases and the ping-pong stay in step.
 Segment ids (``Geometry.segments``): each warpgroup's walk is cut to the kv blocks
 whose ids can meet its rows' (a ``[B, 4, Sqp / block_q]`` table read as scalars,
 common/segments.py), so a packed call visits the blocks of its documents only;
-blocks that hold the rows' own single id are masked by the band alone. The warpgroup's q ids come with Q, each slot's kv
-ids with K (their own barriers), and are read into registers before K is released.
+blocks that hold the rows' own single id are masked by the band alone. The
+warpgroup's q ids come with Q, each slot's kv ids with K (their own barriers),
+and are read into registers before K is released. Comparing ids on masked
+steps cost 10-12% of the forward at 16k tokens on an H200, mostly in registers
+(docs/reports/2026-11-27-h200-segment-compare.md). With contiguous segments
+(``Geometry.segment_spans``: each id's keys form one run, as packed documents'
+do) each row's key span comes with Q instead (common/segments.spans), no kv ids
+stream, and a masked step compares key positions with two per-row bounds that
+hold the band and Sk too, as the band alone did. The caller promises the runs
+(``contiguous_segments``): choosing the form from the ids on the device cost
+more than it saved on an H200 (2026-11-27: a ``lax.cond`` between two kernels
+about 14 us per call, both forms in one kernel a forward 0.81-0.96x;
+docs/reports/2026-11-27-h200-segment-spans.md).
 
 Bias and dense mask (``Geometry.bias_dtype``): one additive tile ``[B|1, H|1, Sqp,
 Skp]`` (the bias plus 0 / -inf for the mask, built in XLA), copied per step with
@@ -87,10 +98,11 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   """``q [B, Sqp, Hq, D]``, ``k/v [B, Skp, Hkv, D]`` (padded; or larger arrays
   holding them at ``g.q_at``, ``g.k_at``, ``g.v_at``) ->
   ``out [B, Sqp, Hq, D]`` (q's dtype) and ``lse [B, Hq, Sqp]`` (fp32, natural log).
-  ``segments`` (with ``g.segments``): q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` (int32)
-  and the visible kv blocks ``[B, 4, Sqp / block_q]`` per warpgroup rows
-  (mosaic.segment_operands). ``bias`` (with ``g.bias_dtype``): the additive tile
-  operand ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
+  ``segments`` (with ``g.segments``, mosaic.segment_operands): q ids ``[B, Sqp]``
+  (with ``g.segment_spans`` each query's key span ``[B, 2, Sqp]``), kv ids ``[B,
+  Skp]`` (int32) and the visible kv blocks ``[B, 4, Sqp / block_q]`` per
+  warpgroup rows. ``bias``
+  (with ``g.bias_dtype``): the additive tile operand ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
   int32 words of ``dropout.kernel_seed(..., positions=True)``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
@@ -137,9 +149,10 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
       def load_q(u):
         b_idx, h, _, r0 = rows_of(unit_tile(g, u))
         plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
-        if g.segments:
-          plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(r0, bq)], qid_smem.at[wg],
-                                  qid_bar.at[wg])
+        if g.segments:  # the rows' ids, or their key spans' starts and ends
+          spans = (slice(None),) if g.segment_spans else ()
+          plgpu.copy_gmem_to_smem(qid_ref.at[(b_idx, *spans, pl.ds(r0, bq))],
+                                  qid_smem.at[wg], qid_bar.at[wg])
 
       first, take = walks_ahead(g, n_local, unit, visible)
       load_q(unit(0))
@@ -153,8 +166,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(q_bar.at[wg])
         if g.segments:
-          q_ids = pipeline.slot_ids(qid_bar, qid_smem, wg,
-                                    plgpu.Layout.WGMMA.reduce(1))
+          own = pipeline.own_rows(qid_bar, qid_smem, wg, plgpu.Layout.WGMMA.reduce(1),
+                                  g.segment_spans)
         if g.dropout_rate:
           # The row key (dropout.row_key) depends on the row alone: once per tile.
           row_keys = dropout_row_keys(seed_ref, b_idx, h, positions(bq, 0, r0))
@@ -176,7 +189,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
         def kv_ids(slot, load):
           """The slot's kv ids, read before K's slot is released."""
-          if not g.segments:
+          if not g.segments or g.segment_spans:
             return None
           return pipeline.slot_ids(kid_bar, kid_smem, slot,
                                    plgpu.Layout.WGMMA.reduce(0), load)
@@ -229,11 +242,15 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
                                           layout=plgpu.Layout.WGMMA) + r0
             cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                           layout=plgpu.Layout.WGMMA) + s * bk
-            ok = cols < g.seq_k
-            if not g.band.is_full:
+            if g.segment_spans:  # the band and Sk are in the spans
+              ok = ((cols >= lax.broadcast_in_dim(own[0], s2.shape, [0])) &
+                    (cols < lax.broadcast_in_dim(own[1], s2.shape, [0])))
+            else:
+              ok = cols < g.seq_k
+            if not g.band.is_full and not g.segment_spans:
               ok = ok & band_allowed(rows, cols, g.band)
-            if g.segments:
-              ok = ok & (lax.broadcast_in_dim(q_ids, s2.shape, [0]) ==
+            if g.segments and not g.segment_spans:
+              ok = ok & (lax.broadcast_in_dim(own[0], s2.shape, [0]) ==
                          lax.broadcast_in_dim(k_ids, s2.shape, [1]))
             s2 = jnp.where(ok, s2, -jnp.inf)
           m_new = jnp.maximum(m, s2.max(axis=1) * mult)
@@ -278,8 +295,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           pl.when(has_next)(lambda: load_q(ahead[0]))
         has = l > 0.0
         inv = dropout.keep_scale(g.dropout_rate) / jnp.where(has, l, 1.0)
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         # The previous tile's stores must have read the staging buffers.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -336,7 +353,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         load_k, load_v = pipeline.kv_loader(
             g, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), b_idx,
             lax.div(h, jnp.int32(g.group)))
-        if g.segments:
+        if g.segments and not g.segment_spans:
           load_k = pipeline.with_ids(load_k, g, kid_ref, kid_smem, kid_bar, b_idx)
         if g.bias_dtype is not None:
           load_k = with_bias(load_k, b_idx, h, tile_coords(g, t)[2])
@@ -378,7 +395,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    seg_scoped = ((plgpu.SMEM((2, bq), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
+    seg_scoped = ((plgpu.SMEM((2, 2, bq) if g.segment_spans else (2, bq), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
                   (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
                   ) if g.segments else ()
 

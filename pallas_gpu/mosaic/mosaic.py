@@ -94,7 +94,8 @@ def geometry(spec, config: MosaicConfig) -> Geometry:
       dtype=spec.dtype, persistent_ctas=hardware.num_sms() if persistent else 0,
       split_tail=fwd.split_tail and not spec.has_segment_ids,
       balanced=balanced,
-      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate)
+      segments=spec.has_segment_ids, segment_spans=spec.contiguous_segments,
+      dropout_rate=spec.dropout_rate)
 
 
 def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]:
@@ -111,8 +112,8 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
       seq_k_padded=blocking.round_up(spec.seq_k, k_tile),
       heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=d, band=spec.band,
       softmax_scale=spec.softmax_scale, soft_cap=spec.logits_soft_cap, dtype=spec.dtype,
-      segments=spec.has_segment_ids, dropout_rate=spec.dropout_rate,
-      shared_block=d > OWN_BLOCK_BWD_MAX_HEAD_DIM)
+      segments=spec.has_segment_ids, segment_spans=spec.contiguous_segments,
+      dropout_rate=spec.dropout_rate, shared_block=d > OWN_BLOCK_BWD_MAX_HEAD_DIM)
   return (Geometry(block_q=dq.block_q, block_kv=dq.block_kv, num_stages=dq.num_stages,
                    **common),
           Geometry(block_q=dkv.block_q, block_kv=dkv.block_kv,
@@ -172,11 +173,16 @@ def _pad_ids(ids, seq):
 
 
 def segment_operands(ops, g: Geometry, over_kv: bool = True):
-  """The kernels' segment operands: q ids ``[B, Sqp]``, kv ids ``[B, Skp]`` and,
-  per warpgroup block (``block_q`` rows; with ``over_kv=False`` ``block_kv``
-  keys), the blocks of the other side that the ids leave visible and the run
-  among them that the ids do not mask, ``[B, 4, n]`` (lo, hi, one_lo, one_hi);
-  ``()`` without segment ids."""
+  """The kernels' segment operands, ``()`` without segment ids; else, for the
+  kernel's own side (query rows, or with ``over_kv=False`` keys):
+
+  * the own ids ``[B, n]``, or with ``g.segment_spans`` each own position's span
+    ``[lo, hi)`` of the other side's positions ``[B, 2, n]`` (segments.spans:
+    the band and the real length folded in);
+  * the other side's ids ``[B, m]`` (unused with ``g.segment_spans``);
+  * per warpgroup block (``block_q`` rows, or ``block_kv`` keys), the blocks of
+    the other side that the ids leave visible and the run among them that the
+    ids do not mask, ``[B, 4, n / block]`` (lo, hi, one_lo, one_hi)."""
   if not g.segments:
     return ()
   nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
@@ -185,8 +191,12 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
   find = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
   table = jnp.stack(find(q_rng, kv_rng, g.band, g.block_q, g.block_kv) +
                     segments.single_id_blocks(q_rng, kv_rng, over_kv), axis=1)
-  return (_pad_ids(ops.q_segment_ids, g.seq_q_padded),
-          _pad_ids(ops.kv_segment_ids, g.seq_k_padded), table)
+  q_ids = _pad_ids(ops.q_segment_ids, g.seq_q_padded)
+  kv_ids = _pad_ids(ops.kv_segment_ids, g.seq_k_padded)
+  own, other = (q_ids, kv_ids) if over_kv else (kv_ids, q_ids)
+  if g.segment_spans:
+    own = segments.spans(q_ids, kv_ids, g.band, g.seq_q, g.seq_k, over_kv=over_kv)
+  return own, other, table
 
 
 def dropout_words(ops, spec):
@@ -207,8 +217,8 @@ def forward(ops, spec, static: platform.Static):
   from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
   (q, k, v), g = kernel_operands(g, ops.q, ops.k, ops.v)
-  out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile,
-                         dropout_words(ops, spec))
+  seed = dropout_words(ops, spec)
+  out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile, seed)
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -241,8 +251,6 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     do = rows.materialize(do).astype(ops.q.dtype)
   (q, k, v, do), g_dq = kernel_operands(g_dq, ops.q, ops.k, ops.v, do)
   g_dkv = dataclasses.replace(g_dkv, q_at=g_dq.q_at, k_at=g_dq.k_at, v_at=g_dq.v_at)
-  seg_dq = segment_operands(ops, g_dq)
-  seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   # The forward's additive tile: the dQ kernel streams it with K, the dK/dV
   # kernel its transpose with Q (one XLA transpose: the dK/dV kernel's tiles are
   # keys by rows).
@@ -253,6 +261,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
     tile_t = jnp.swapaxes(tile, 2, 3)
+  seg_dq = segment_operands(ops, g_dq)
+  seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
     dq, dk, dv, ds = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
                                 seed, tile, tile_t)

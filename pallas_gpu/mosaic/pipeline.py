@@ -118,8 +118,20 @@ def slot_ids(bar, smem, slot, layout, load: bool = True):
   return compat.mgpu_load(smem.at[slot], layout) if load else None
 
 
-def own_ids(ids_ref, smem, bar, b_idx, start, n: int, wg, layout):
-  """The ids of warpgroup ``wg``'s own ``n`` rows (or keys) from ``start``, copied
-  into its slot and read into registers."""
-  plgpu.copy_gmem_to_smem(ids_ref.at[b_idx, pl.ds(start, n)], smem.at[wg], bar.at[wg])
-  return slot_ids(bar, smem, wg, layout)
+def own_rows(bar, smem, wg, layout, spans: bool):
+  """Waits for warpgroup ``wg``'s own segment operand in ``smem[wg]`` and reads
+  it into registers: ``[ids]``, or with ``spans`` ``[span starts, span ends]``
+  (mosaic.segment_operands)."""
+  if not spans:
+    return [slot_ids(bar, smem, wg, layout)]
+  plgpu.barrier_wait(bar.at[wg])
+  return [compat.mgpu_load(smem.at[wg, i], layout) for i in range(2)]
+
+
+def own_ids(ids_ref, smem, bar, b_idx, start, n: int, wg, layout, spans: bool):
+  """:func:`own_rows` of warpgroup ``wg``'s own ``n`` rows (or keys) from
+  ``start``, copied from ``ids_ref`` (``[B, S]`` ids, or with ``spans`` ``[B, 2,
+  S]``) into its slot."""
+  window = (b_idx, slice(None), pl.ds(start, n)) if spans else (b_idx, pl.ds(start, n))
+  plgpu.copy_gmem_to_smem(ids_ref.at[window], smem.at[wg], bar.at[wg])
+  return own_rows(bar, smem, wg, layout, spans)

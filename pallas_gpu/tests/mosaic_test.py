@@ -485,6 +485,10 @@ VARIANTS = [
     dict(head_dim=256, seq_q=300, seq_k=200, heads_q=4, heads_kv=2,
          logits_soft_cap=20.0),
     dict(head_dim=192, segment_ids=True, causal=True),
+    dict(segment_ids=True, causal=True, contiguous_segments=True),
+    dict(segment_ids=True, sliding_window=(64, 64), contiguous_segments=True,
+         bwd_one_launch=False),
+    dict(head_dim=192, segment_ids=True, contiguous_segments=True),
 ]
 
 
@@ -1070,3 +1074,48 @@ def test_windows_equal_their_slices(seq_q, causal, head_dim):
   tolerances.assert_close(got[1], ref_lse, tol, name="lse")
   for name, g, r in zip("qkv", got[2:], ref_grads):
     tolerances.assert_close(g, r, gtol, name="d" + name)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("kw", [
+    dict(causal=True), dict(causal=True, shared=False), dict(sliding_window=(300, 0)),
+    dict(padding=700), dict(causal=True, head_dim=256), dict(causal=True, group=4),
+    dict(causal=True, seq_k=3000, shared=False)], ids=str)
+def test_contiguous_segments_match_the_ids_bitwise(kw):
+  """With contiguous_segments the kernels mask by position spans instead of ids:
+  the same masked values, so output, lse and gradients equal the ids' bitwise,
+  and the ids' match the reference. Documents of mixed lengths and, with
+  ``padding``, a trailing -1 run; one ids array for q and kv (found by scans)
+  or two (found by a sort)."""
+  from flashjax.common import reference
+  kw = dict(kw)
+  sq, d, group = 4096, kw.pop("head_dim", 128), kw.pop("group", 1)
+  sk, shared, pad = kw.pop("seq_k", sq), kw.pop("shared", True), kw.pop("padding", 0)
+  ks = jax.random.split(jax.random.key(6), 4)
+  q = jax.random.normal(ks[0], (1, sq, 8, d), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (1, sk, 8 // group, d), jnp.bfloat16) for kk in ks[1:3])
+  do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+  docs = lambda n: np.minimum(np.searchsorted([300, 1500, 1600, 3500], np.arange(n),
+                                              side="right"), 4)
+  q_ids = docs(sq).astype(np.int32)
+  q_ids[sq - pad:] = -1
+  kv_ids = q_ids if shared else docs(sk).astype(np.int32)
+
+  def run(contiguous, q_ids, kv_ids):
+    def f(q, k, v, q_ids, kv_ids):
+      ids = (q_ids, q_ids) if shared else (q_ids, kv_ids)
+      out, vjp = jax.vjp(lambda q, k, v: mosaic.flash_attention(
+          q, k, v, segment_ids=ids, return_lse=True, contiguous_segments=contiguous,
+          **kw), q, k, v)
+      return out, vjp((do, jnp.zeros_like(out[1])))
+    return jax.jit(f)(q, k, v, jnp.asarray(q_ids)[None], jnp.asarray(kv_ids)[None])
+
+  spans, ids = run(True, q_ids, kv_ids), run(False, q_ids, kv_ids)
+  for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), jax.tree.leaves(spans),
+                        jax.tree.leaves(ids)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = reference.attention(f32(q), f32(k), f32(v), return_lse=True, **kw,
+                            segment_ids=(jnp.asarray(q_ids)[None],
+                                         jnp.asarray(kv_ids)[None]))
+  tolerances.assert_close(ids[0][0], ref[0], tolerances.forward("bfloat16"))
