@@ -4,6 +4,8 @@ on the same documents as batched calls, side by side.
 For a packed shape every implementation of the CLI becomes:
 
 * ``<name>``: a flashjax platform on the packed row with segment ids;
+* ``<name>[contiguous]``: the same with ``contiguous_segments=True`` (each
+  document's ids one run: the Hopper kernels mask by position spans);
 * ``<name>[batched]``: the documents as batches, one call per distinct length
   (equal lengths: a free reshape; mixed lengths: sliced and stacked per length),
   so its time is the sum of the documents' batched times;
@@ -50,9 +52,9 @@ def check_shape(shape: Shape, max_tokens: int = 2048) -> Shape:
   return dataclasses.replace(shape, seq_q=total, seq_k=total, documents=tuple(docs))
 
 
-def _with_segment_ids(fn, shape: Shape):
+def _with_segment_ids(fn, shape: Shape, **kw):
   ids = jnp.asarray(segment_ids(shape))
-  return lambda q, k, v, causal: fn(q, k, v, causal, segment_ids=(ids, ids))
+  return lambda q, k, v, causal: fn(q, k, v, causal, segment_ids=(ids, ids), **kw)
 
 
 def _batched(fn, shape: Shape):
@@ -110,6 +112,8 @@ def variants(fns: dict) -> dict:
     if impl is not None and impl.kind == "flashjax":
       flashjax_seen = True
       out[name] = lambda s, fn=fn: _with_segment_ids(fn, s)
+      out[f"{name}[contiguous]"] = lambda s, fn=fn: _with_segment_ids(
+          fn, s, contiguous_segments=True)
     if name == "flash-attn3-jax":
       out["flash-attn3-jax[varlen]"] = _fa3_varlen
     out[f"{name}[batched]"] = lambda s, fn=fn: _batched(fn, s)
