@@ -691,3 +691,27 @@ def test_pallas_tpu_zigzag_ring_one_device():
   for g, r in zip(grads, rgrads):
     np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-4)
   assert float(jnp.std(rgrads[0])) > 0.05
+
+
+def test_ring_hops_compare_ids_under_contiguous_segments(monkeypatch):
+  """ring_attention accepts contiguous_segments but its hops compare ids: a
+  shard's ids (two far-apart chunks in the zigzag layout) need not lie within
+  its own length, as segments.spans requires. The result is the reference's."""
+  from flashjax import ring as ring_mod
+  seen = []
+  attention = ring_mod.ring_lib.attention
+  monkeypatch.setattr(ring_mod.ring_lib, "attention", lambda kernel, plan, ops, spec: (
+      seen.append(spec.contiguous_segments), attention(kernel, plan, ops, spec))[1])
+  ks = jax.random.split(jax.random.key(9), 3)
+  q, k, v = (jax.random.normal(x, (1, 64, 2, 16)) for x in ks)
+  ids = jnp.asarray(np.repeat(np.arange(4), [10, 30, 4, 20])[None], jnp.int32)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  row = P(None, "seq")
+  local = lambda q, k, v, ids: flashjax.ring_attention(
+      q, k, v, axis_name="seq", layout="zigzag", causal=True, platform="xla",
+      segment_ids=(ids, ids), contiguous_segments=True)
+  out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(row,) * 3 + (row,),
+                              out_specs=row, check_vma=False))(q, k, v, ids)
+  assert seen == [False]
+  ref = reference.attention(q, k, v, causal=True, segment_ids=(ids, ids))
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
