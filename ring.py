@@ -61,7 +61,8 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
     layout: "contiguous" or "zigzag".
     causal, sliding_window, segment_ids (local shards), softmax_scale,
       logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse,
-      contiguous_segments (accepted; the hops compare ids), backend, platform,
+      contiguous_segments (accepted; the hops compare ids, ``ring.hop_spec``),
+      backend, platform,
       config, interpret: as in ``flash_attention``.
     bias, mask: broadcastable to ``[B, Hq, Sq/n, Sk]``: this device's query rows
       and all keys as columns, in the layout's order (the devices' shards one
@@ -98,10 +99,6 @@ def _ring_attention(q, k, v, *, axis_name, layout="contiguous", causal=False,
       logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
       dropout_seed=dropout_seed, return_lse=return_lse,
       contiguous_segments=contiguous_segments)
-  # The hops compare ids: a shard's ids (two far-apart chunks in the zigzag
-  # layout) need not lie within its own length, which segments.spans' hash
-  # slots require.
-  spec = dataclasses.replace(spec, contiguous_segments=False)
   # Bias and mask rows are this device's; their columns are all keys.
   full = (spec.batch, spec.heads_q, spec.seq_q, n * spec.seq_k)
   shapes = {}

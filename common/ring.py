@@ -299,7 +299,10 @@ def check_local_shapes(plan: RingPlan, spec: AttentionSpec):
 
 def hop_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
   """The spec of one kernel call of a hop (``RingPlan.hop_calls``): its sizes
-  and band, the bias/mask block's shape, no sinks (added once after the merge)."""
+  and band, the bias/mask block's shape, no sinks (added once after the merge),
+  and ids compared, not spans: a shard's ids (two far-apart chunks in the
+  zigzag layout) need not lie within its own length, as
+  ``segments.spans``' hash slots require of ``contiguous_segments``."""
   def block(shape):
     if shape is None:
       return None
@@ -308,7 +311,8 @@ def hop_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
   return dataclasses.replace(
       spec, seq_q=band.seq_q, seq_k=band.seq_k, band=band,
       causal=band.left is None and band.right == 0, num_sinks=0,
-      bias_shape=block(spec.bias_shape), mask_shape=block(spec.mask_shape))
+      bias_shape=block(spec.bias_shape), mask_shape=block(spec.mask_shape),
+      contiguous_segments=False)
 
 
 def shard_offset(axes, size: int):

@@ -696,12 +696,18 @@ def test_pallas_tpu_zigzag_ring_one_device():
 def test_ring_hops_compare_ids_under_contiguous_segments(monkeypatch):
   """ring_attention accepts contiguous_segments but its hops compare ids: a
   shard's ids (two far-apart chunks in the zigzag layout) need not lie within
-  its own length, as segments.spans requires. The result is the reference's."""
-  from flashjax import ring as ring_mod
+  its own length, as segments.spans requires. Every hop's kernel call (here
+  and in the sharded calls under jit, common/partition.py) takes its spec from
+  ring.hop_spec. The result is the reference's."""
+  from flashjax.common import ring as ring_lib
   seen = []
-  attention = ring_mod.ring_lib.attention
-  monkeypatch.setattr(ring_mod.ring_lib, "attention", lambda kernel, plan, ops, spec: (
-      seen.append(spec.contiguous_segments), attention(kernel, plan, ops, spec))[1])
+  hop_spec = ring_lib.hop_spec
+
+  def recording(spec, band):
+    out = hop_spec(spec, band)
+    seen.append((spec.contiguous_segments, out.contiguous_segments))
+    return out
+  monkeypatch.setattr(ring_lib, "hop_spec", recording)
   ks = jax.random.split(jax.random.key(9), 3)
   q, k, v = (jax.random.normal(x, (1, 64, 2, 16)) for x in ks)
   ids = jnp.asarray(np.repeat(np.arange(4), [10, 30, 4, 20])[None], jnp.int32)
@@ -712,6 +718,6 @@ def test_ring_hops_compare_ids_under_contiguous_segments(monkeypatch):
       segment_ids=(ids, ids), contiguous_segments=True)
   out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(row,) * 3 + (row,),
                               out_specs=row, check_vma=False))(q, k, v, ids)
-  assert seen == [False]
+  assert seen and all(given and not hop for given, hop in seen), seen
   ref = reference.attention(q, k, v, causal=True, segment_ids=(ids, ids))
   np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
