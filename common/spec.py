@@ -306,13 +306,17 @@ def canonicalize(q, k, v, *, bias=None, mask=None, causal=False,
                          f"{shape_of(ids, name)}")
       if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be integer, got dtype {_dtype_name(ids)}")
-    q_ids, kv_ids = int32_segment_ids(q_ids, kv_ids)
   if not isinstance(contiguous_segments, bool):
     raise ValueError(f"contiguous_segments must be a bool, got {contiguous_segments!r}")
   if contiguous_segments:
     if q_ids is None:
       raise ValueError("contiguous_segments=True needs segment_ids")
     check_contiguous_segments(segment_ids)
+    # Within [-S, S) a cast keeps every id; ranking wide ids would spread them
+    # past that range.
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  elif q_ids is not None:
+    q_ids, kv_ids = int32_segment_ids(q_ids, kv_ids)
 
   logits_soft_cap = soft_cap(logits_soft_cap)
   sinks, num_sinks = sinks_per_head(sinks, hq)

@@ -193,10 +193,14 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
   def packed(q, k, v):
     # Sequences one after another, then a padding id: each id one run, unless
-    # seqused_k leaves unused key rows inside sequences.
+    # seqused_k leaves unused key rows inside sequences; the ids (sequence
+    # numbers, -1 and -2) lie within each side's length unless there are more
+    # sequences than rows (empty sequences).
+    runs = (seqused_k is None and
+            cu_seqlens_q.shape[0] - 1 <= min(q.shape[0], k.shape[0]) and
+            min(q.shape[0], k.shape[0]) >= 2)
     return attend(q, k, v, _cu_to_ids(cu_seqlens_q, q.shape[0], -1),
-                  _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k),
-                  seqused_k is None)
+                  _cu_to_ids(cu_seqlens_k, k.shape[0], -2, seqused_k), runs)
 
   def end_aligned(q, k, v):
     pos_q, pos_k = _end_aligned_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0],

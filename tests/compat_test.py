@@ -218,3 +218,26 @@ def test_force_mha_is_read_by_jax_flash_attn2_entry_only(monkeypatch):
   monkeypatch.delenv("FORCE_MHA")
   cached(q, k, v, causal=True)
   assert seen == [4, 2, 2]
+
+
+def test_flash_mha_varlen_promises_runs_only_where_its_ids_fit(monkeypatch):
+  """flash_mha_varlen promises contiguous segments for its sequences, but not
+  with more sequences than rows (empty sequences number ids past the rows,
+  outside the promise's range) or with seqused_k (unused rows inside
+  sequences); either call runs and matches the reference."""
+  from flashjax import api
+  from flashjax.common import reference
+  seen = []
+  call = api.flash_attention
+  monkeypatch.setattr(api, "flash_attention", lambda *a, **kw: (
+      seen.append(kw.get("contiguous_segments")), call(*a, **kw))[1])
+  x = jax.random.normal(jax.random.key(3), (6, 2, 16))
+  for cu, expect in (([0, 2, 6], True), ([0, 1, 1, 1, 1, 1, 1, 2], False)):
+    cu = jnp.asarray(cu, jnp.int32)
+    out = flashjax.flash_mha_varlen(x, x, x, cu, cu, 4, 4)
+    assert seen[-1] is expect
+    ids = jnp.searchsorted(cu[1:], jnp.arange(6), side="right")
+    ids = jnp.where(jnp.arange(6) < cu[-1], ids, -1)[None]
+    kv = jnp.where(ids < 0, -2, ids)
+    ref = reference.attention(x[None], x[None], x[None], segment_ids=(ids, kv))[0]
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)

@@ -177,3 +177,17 @@ def test_contiguous_segments_need_ids_within_their_length():
   with pytest.raises(ValueError, match=r"segment_ids\[0\] \(q\) in \[-8, 8\).*got id -9"):
     spec_lib.canonicalize(q, q, q, segment_ids=(runs.at[:, 7].set(-9), runs),
                           contiguous_segments=True)
+
+
+def test_contiguous_segments_keep_wide_ids_as_they_are():
+  """Wide (int64) ids under the promise are cast, not ranked: ranking all of a
+  call's ids would spread them past ``[-S, S)``, which the spans' hash slots
+  need."""
+  from flashjax.common import compat
+  with compat.enable_x64():
+    runs = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, -1]] * B, jnp.int64)
+    ops, _ = spec_lib.canonicalize(q, q, q, segment_ids=(runs, runs),
+                                   contiguous_segments=True)
+    assert ops.q_segment_ids.dtype == jnp.int32
+    np.testing.assert_array_equal(ops.q_segment_ids, runs)
+    np.testing.assert_array_equal(ops.kv_segment_ids, runs)
