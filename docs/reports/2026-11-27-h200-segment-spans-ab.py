@@ -3,7 +3,8 @@ before ("before", importable as ``flashjax_prev``), this tree with the ids
 ("ids") and with ``contiguous_segments=True`` ("spans": masked steps compare
 positions with each row's span of the other side, the band folded in). Packed
 causal and full rows, a row ending in a padding id, and ids given as one array
-for q and kv (spans found by scans) or as two (by a sort). Forward, and forward
+for q and kv or as two (run F of the report timed spans found by scans for one
+array and by a sort for two; run G the landed hash slots). Forward, and forward
 + backward; the ids are passed as arguments (ids closed over as constants let
 XLA fold their preparation away); results compared bitwise with "before"."""
 import jax, jax.numpy as jnp, numpy as np

@@ -312,8 +312,7 @@ def _dkv_program(g: Geometry, dtype):
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
           if g.segment_spans:  # the band and Sq are in the keys' spans
-            ok = ((qrows >= lax.broadcast_in_dim(k_ids[0], (bk, bq), [0])) &
-                  (qrows < lax.broadcast_in_dim(k_ids[1], (bk, bq), [0])))
+            ok = pipeline.in_spans(qrows, k_ids, (bk, bq))
           else:
             ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
           if g.segments and not g.segment_spans:
@@ -682,8 +681,7 @@ def _dq_program(g: Geometry, dtype):
         if masked:
           qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
           if g.segment_spans:  # the band and Sk are in the rows' spans
-            ok = ((keys >= lax.broadcast_in_dim(q_ids[0], (bq, bk), [0])) &
-                  (keys < lax.broadcast_in_dim(q_ids[1], (bq, bk), [0])))
+            ok = pipeline.in_spans(keys, q_ids, (bq, bk))
           else:
             ok = keys < g.seq_k
           if not g.band.is_full and not g.segment_spans:

@@ -243,8 +243,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
             cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                           layout=plgpu.Layout.WGMMA) + s * bk
             if g.segment_spans:  # the band and Sk are in the spans
-              ok = ((cols >= lax.broadcast_in_dim(own[0], s2.shape, [0])) &
-                    (cols < lax.broadcast_in_dim(own[1], s2.shape, [0])))
+              ok = pipeline.in_spans(cols, own, s2.shape)
             else:
               ok = cols < g.seq_k
             if not g.band.is_full and not g.segment_spans:
@@ -295,8 +294,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           pl.when(has_next)(lambda: load_q(ahead[0]))
         has = l > 0.0
         inv = dropout.keep_scale(g.dropout_rate) / jnp.where(has, l, 1.0)
-        lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse2 = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
         # The previous tile's stores must have read the staging buffers.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -217,8 +217,8 @@ def forward(ops, spec, static: platform.Static):
   from . import fwd  # imports Mosaic-GPU lowering only when used
   g, tile = additive_tile(ops, spec, geometry(spec, static.config))
   (q, k, v), g = kernel_operands(g, ops.q, ops.k, ops.v)
-  seed = dropout_words(ops, spec)
-  out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile, seed)
+  out, lse = fwd.forward(q, k, v, g, segment_operands(ops, g), tile,
+                         dropout_words(ops, spec))
   return epilogue.finish_forward(out, lse, spec, ops.sinks)
 
 
@@ -251,6 +251,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     do = rows.materialize(do).astype(ops.q.dtype)
   (q, k, v, do), g_dq = kernel_operands(g_dq, ops.q, ops.k, ops.v, do)
   g_dkv = dataclasses.replace(g_dkv, q_at=g_dq.q_at, k_at=g_dq.k_at, v_at=g_dq.v_at)
+  seg_dq = segment_operands(ops, g_dq)
+  seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   # The forward's additive tile: the dQ kernel streams it with K, the dK/dV
   # kernel its transpose with Q (one XLA transpose: the dK/dV kernel's tiles are
   # keys by rows).
@@ -261,8 +263,6 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
     tile_t = jnp.swapaxes(tile, 2, 3)
-  seg_dq = segment_operands(ops, g_dq)
-  seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   if static.config.bwd_one_launch:
     dq, dk, dv, ds = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
                                 seed, tile, tile_t)

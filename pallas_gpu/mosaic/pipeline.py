@@ -118,6 +118,13 @@ def slot_ids(bar, smem, slot, layout, load: bool = True):
   return compat.mgpu_load(smem.at[slot], layout) if load else None
 
 
+def in_spans(index, spans, shape):
+  """Whether each ``index`` of a ``shape`` tile lies in its row's span: ``spans``
+  is ``[starts, ends]`` per row (dim 0), from :func:`own_rows`."""
+  lo, hi = (lax.broadcast_in_dim(x, shape, [0]) for x in spans)
+  return (index >= lo) & (index < hi)
+
+
 def own_rows(bar, smem, wg, layout, spans: bool):
   """Waits for warpgroup ``wg``'s own segment operand in ``smem[wg]`` and reads
   it into registers: ``[ids]``, or with ``spans`` ``[span starts, span ends]``

@@ -1085,8 +1085,7 @@ def test_contiguous_segments_match_the_ids_bitwise(kw):
   """With contiguous_segments the kernels mask by position spans instead of ids:
   the same masked values, so output, lse and gradients equal the ids' bitwise,
   and the ids' match the reference. Documents of mixed lengths and, with
-  ``padding``, a trailing -1 run; one ids array for q and kv (found by scans)
-  or two (found by a sort)."""
+  ``padding``, a trailing -1 run; one ids array for q and kv, or two."""
   from flashjax.common import reference
   kw = dict(kw)
   sq, d, group = 4096, kw.pop("head_dim", 128), kw.pop("group", 1)
