@@ -101,8 +101,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   ``segments`` (with ``g.segments``, mosaic.segment_operands): q ids ``[B, Sqp]``
   (with ``g.segment_spans`` each query's key span ``[B, 2, Sqp]``), kv ids ``[B,
   Skp]`` (int32) and the visible kv blocks ``[B, 4, Sqp / block_q]`` per
-  warpgroup rows. ``bias``
-  (with ``g.bias_dtype``): the additive tile operand ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
+  warpgroup rows. ``bias`` (with ``g.bias_dtype``): the additive tile operand
+  ``[B|1, H|1, Sqp, Skp]``. ``seed`` (with ``g.dropout_rate``): the
   int32 words of ``dropout.kernel_seed(..., positions=True)``."""
   bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
   dtype = q.dtype
@@ -394,7 +394,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    seg_scoped = ((plgpu.SMEM((2, 2, bq) if g.segment_spans else (2, bq), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
+    own_shape = (2, 2, bq) if g.segment_spans else (2, bq)
+    seg_scoped = ((plgpu.SMEM(own_shape, jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
                   (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
                   ) if g.segments else ()
 
