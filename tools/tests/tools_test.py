@@ -119,9 +119,9 @@ def test_launch_gaps_reads_device_events_and_splits_busy_from_idle(tmp_path):
 
 
 def test_launch_gaps_runs_the_packed_set_as_the_packed_benchmark(monkeypatch, capsys):
-  """In a packed set each implementation runs with segment ids, as ``[batched]``
-  calls on the same documents and through the varlen entry, each forward and
-  backward measured once."""
+  """In a packed set each implementation runs with segment ids (also promised
+  contiguous, ``[contiguous]``), as ``[batched]`` calls on the same documents
+  and through the varlen entry, each forward and backward measured once."""
   from tools import launch_gaps
   calls = []
   monkeypatch.setattr(launch_gaps, "measure",
@@ -129,8 +129,9 @@ def test_launch_gaps_runs_the_packed_set_as_the_packed_benchmark(monkeypatch, ca
   launch_gaps.main(["xla", "B1-8x512-H8-D64-causal", "3", "packed_cpu"])
   lines = [l for l in capsys.readouterr().out.splitlines() if "wall" in l]
   assert [l.split()[1:3] for l in lines] == [
-      [v, d] for v in ("xla", "xla[batched]", "flash_mha_varlen") for d in ("fwd", "bwd")]
-  assert calls == [3] * 6
+      [v, d] for v in ("xla", "xla[contiguous]", "xla[batched]", "flash_mha_varlen")
+      for d in ("fwd", "bwd")]
+  assert calls == [3] * 8
 
 
 def test_cpu_step_costs_counts_the_causal_schedule():
