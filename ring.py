@@ -62,8 +62,7 @@ def ring_attention(q, k, v, *, axis_name, layout: str = "contiguous", causal=Fal
     causal, sliding_window, segment_ids (local shards), softmax_scale,
       logits_soft_cap, sinks, dropout_rate, dropout_seed, return_lse,
       contiguous_segments (accepted; the hops compare ids, ``ring.hop_spec``),
-      backend, platform,
-      config, interpret: as in ``flash_attention``.
+      backend, platform, config, interpret: as in ``flash_attention``.
     bias, mask: broadcastable to ``[B, Hq, Sq/n, Sk]``: this device's query rows
       and all keys as columns, in the layout's order (the devices' shards one
       after another); a bias with one row for all queries gets its gradient
