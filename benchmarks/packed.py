@@ -13,12 +13,16 @@ For a packed shape every implementation of the CLI becomes:
   (flashjax's varlen entry on the default platform): ``cu_seqlens`` offsets.
 
 All of them compute the same ``[1, S, H, Dv]`` output, checked against the
-reference with segment ids.
+reference with segment ids. The ids and offsets are arguments of the timed
+programs (:class:`WithOperands`), as in a training step whose documents change
+every batch: closed over as constants, XLA would fold their preparation (block
+tables, spans, the varlen entry's ids) into the program and leave it untimed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,9 +56,27 @@ def check_shape(shape: Shape, max_tokens: int = 2048) -> Shape:
   return dataclasses.replace(shape, seq_q=total, seq_k=total, documents=tuple(docs))
 
 
+@dataclasses.dataclass(frozen=True)
+class WithOperands:
+  """``fn(q, k, v, causal, *operands)`` with its default ``operands`` (device
+  arrays): called with q, k, v and causal alone it uses them; timing.functions
+  passes them as arguments of the jitted program."""
+  fn: Callable
+  operands: tuple
+
+  def __call__(self, q, k, v, causal, *operands):
+    return self.fn(q, k, v, causal, *(operands or self.operands))
+
+
+def operands(fn) -> tuple:
+  """The arguments a built implementation takes after ``(q, k, v, causal)``."""
+  return fn.operands if isinstance(fn, WithOperands) else ()
+
+
 def _with_segment_ids(fn, shape: Shape, **kw):
-  ids = jnp.asarray(segment_ids(shape))
-  return lambda q, k, v, causal: fn(q, k, v, causal, segment_ids=(ids, ids), **kw)
+  return WithOperands(
+      lambda q, k, v, causal, ids: fn(q, k, v, causal, segment_ids=(ids, ids), **kw),
+      (jnp.asarray(segment_ids(shape)),))
 
 
 def _batched(fn, shape: Shape):
@@ -84,12 +106,11 @@ def _batched(fn, shape: Shape):
 
 
 def _varlen(entry, shape: Shape):
-  cu = jnp.asarray(cu_seqlens(shape))
   longest = max(shape.documents)
   # By keyword: flash-attn3-jax's varlen takes seqused_k before the max lengths.
-  return lambda q, k, v, causal: entry(
+  return WithOperands(lambda q, k, v, causal, cu: entry(
       q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-      max_seqlen_k=longest, is_causal=causal)[None]
+      max_seqlen_k=longest, is_causal=causal)[None], (jnp.asarray(cu_seqlens(shape)),))
 
 
 def _flashjax_varlen(shape: Shape):

@@ -57,11 +57,14 @@ def random_inputs(shape: Shape, dtype, seed: int = 0, max_seq: int | None = None
 
 
 def functions(fn, causal: bool):
-  """Jitted forward and forward+backward of ``fn``."""
-  fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+  """Jitted forward ``(q, k, v, *operands)`` and forward+backward ``(q, k, v, do,
+  *operands)`` of ``fn``, with ``packed.operands(fn)`` (a packed row's ids or
+  offsets) as arguments."""
+  fwd = jax.jit(lambda q, k, v, *ops: fn(q, k, v, causal, *ops))
 
-  def loss(q, k, v, do):
-    return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
+  def loss(q, k, v, do, *ops):
+    return jnp.sum(fn(q, k, v, causal, *ops).astype(jnp.float32) *
+                   do.astype(jnp.float32))
 
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return fwd, fwd_bwd
@@ -185,11 +188,12 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
       continue
     fn = fns[name]
     fwd, fwd_bwd = functions(fn, shape.causal)
-    compiled[name] = fwd, fwd_bwd
+    ops = packed.operands(fn)
+    compiled[name] = (fwd, (q, k, v, *ops)), (fwd_bwd, (q, k, v, do, *ops))
     if {"fwd", "bwd"} & set(directions):
-      calls[(name, "fwd")] = (fwd, (q, k, v))
+      calls[(name, "fwd")] = compiled[name][0]
     if {"bwd", "fwd_bwd"} & set(directions):
-      calls[(name, "fwd_bwd")] = (fwd_bwd, (q, k, v, do))
+      calls[(name, "fwd_bwd")] = compiled[name][1]
     if "jvp" in directions:
       calls[(name, "jvp")] = (jvp_function(fn, shape.causal), (q, k, v, *tangents))
   # Forwards are interleaved with forwards, backwards with backwards, jvps with
@@ -213,8 +217,7 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     if "bwd" in directions:
       mine["bwd"] = mine["fwd_bwd"] - mine["fwd"]
     fwd, fwd_bwd = compiled[name]
-    mem = {"fwd": compiled_mib(fwd, (q, k, v)),
-           "fwd_bwd": compiled_mib(fwd_bwd, (q, k, v, do))}
+    mem = {"fwd": compiled_mib(*fwd), "fwd_bwd": compiled_mib(*fwd_bwd)}
     mem["bwd"] = mem["fwd_bwd"]
     if "jvp" in directions:
       jvp_args = (q, k, v, *tangents)

@@ -7,7 +7,8 @@ shape set SET (default ``standard``; ``B2-S8k`` takes its causal and non-causal
 rows). In the ``packed`` sets each implementation runs as the CLI's packed
 benchmark runs it (with segment ids, ``[batched]`` on the same documents, and
 the varlen entries; benchmarks/packed.py), which splits a packed call's cost
-into its kernels and the XLA work that prepares the ids. Each forward
+into its kernels and the XLA work that prepares the ids (the ids and offsets
+are arguments of the traced programs). Each forward
 and each backward (the vjp alone) runs N times back to back under
 ``jax.profiler``; from the trace's device events it prints, per call, the host
 wall time, the span from the first kernel's start to the last one's end, the
@@ -129,10 +130,13 @@ def main(argv):
     q, k, v, do = timing.random_inputs(s, jnp.bfloat16)
     for name, build in calls.items():
       fn = build(s)
-      fwd = lambda q, k, v, fn=fn, s=s: fn(q, k, v, s.causal)
-      _, vjp = jax.vjp(fwd, q, k, v)
-      for direction, call, args in (("fwd", fwd, (q, k, v)),
-                                    ("bwd", lambda do, vjp=vjp: vjp(do), (do,))):
+      ops = packed.operands(fn)
+      fwd = lambda q, k, v, *ops, fn=fn, s=s: fn(q, k, v, s.causal, *ops)
+      # The vjp function is a pytree: its residuals (a packed call's ids among
+      # them) are arguments of the jitted backward, not constants XLA could fold.
+      _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, *ops), q, k, v)
+      for direction, call, args in (("fwd", fwd, (q, k, v, *ops)),
+                                    ("bwd", lambda vjp, do: vjp(do), (vjp, do))):
         wall, summary = measure(call, args, n)
         if summary is None:
           print(f"{s.name:26s} {name:10s} {direction} wall {wall:8.1f} us; no device events")
@@ -140,7 +144,7 @@ def main(argv):
         span, busy, idle, kernels = summary
         print(f"{s.name:26s} {name:10s} {direction} wall {wall:8.1f} us  span {span:8.1f}"
               f"  kernels {busy:8.1f}  idle {idle:6.1f}")
-        for kname, t in sorted(kernels.items(), key=lambda x: -x[1])[:6]:
+        for kname, t in sorted(kernels.items(), key=lambda x: -x[1])[:12]:
           print(f"      {t:8.1f} us  {kname[:90]}")
       sys.stdout.flush()
 

@@ -272,6 +272,34 @@ def test_packed_set_runs_packed_batched_and_varlen_side_by_side():
       for n in shape.documents)
 
 
+def test_packed_variants_take_their_ids_and_offsets_as_arguments():
+  """The timed programs get a packed row's ids (offsets for the varlen entries)
+  as arguments, so their preparation is timed: other operands give the other
+  documents' result, and the jitted forward's parameters include them."""
+  import dataclasses
+  from flashjax.benchmarks import packed
+  from flashjax.common import reference
+  xla = impls.IMPLS["xla"].build()
+  shape = shapes.packed([(16, 48, 16)], heads=2, head_dim=32)[1]
+  other = dataclasses.replace(shape, documents=(48, 16, 16))
+  q, k, v, _ = timing.random_inputs(shape, jnp.float32)
+  ids = jnp.asarray(packed.segment_ids(other))
+  want = reference.attention(q, k, v, causal=True, segment_ids=(ids, ids))
+  for name, build in packed.variants({"xla": xla}).items():
+    fn = build(shape)
+    ops = packed.operands(fn)
+    if name.endswith("[batched]"):
+      assert ops == (), name
+      continue
+    assert len(ops) == 1 and ops[0].dtype == jnp.int32, name
+    fwd, _ = timing.functions(fn, True)
+    assert len(jax.tree_util.tree_leaves(fwd.lower(q, k, v, *ops).in_avals)) == 4
+    swap = ids if ops[0].ndim == 2 else jnp.asarray(packed.cu_seqlens(other))
+    np.testing.assert_allclose(fwd(q, k, v, swap), want, rtol=2e-5, atol=2e-5,
+                               err_msg=name)
+    assert not np.allclose(fwd(q, k, v, *ops), want, atol=1e-3), name
+
+
 def test_dropout_set_runs_each_flashjax_call_with_and_without_dropout():
   """The dropout set's rule at tiny size: a flashjax implementation runs with
   dropout (checked against the reference with the same dropout, so a kernel
