@@ -22,7 +22,8 @@ All functions take traced ids (the ranges are data, computed once per call):
 * :func:`spans`: per query (per key), the one run of keys (queries) it may see,
   with the band and the real length folded in, for contiguous segments (each
   id's positions on the other side one run); a kernel then masks with two
-  compares of positions and streams no ids of the other side.
+  compares of positions and streams no ids of the other side;
+  :func:`span_blocks`: the visible-block table from those spans.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def id_runs(ids, other):
   scattering every position made a long run's atomic updates queue on one
   address. (Finding the runs by a sort or by cumulative scans made packed
   forwards at 16k tokens 0.68-0.96x of the ids' compare on an H200,
-  2026-11-27; with these scatters they are 1.04-1.08x.)"""
+  2026-11-27; with scatters 1.04-1.08x.)"""
   ids, other = ids.astype(jnp.int32), other.astype(jnp.int32)
   b, so = other.shape
   slots = 2 * so
@@ -180,17 +181,16 @@ def id_runs(ids, other):
   edge = jnp.ones((b, 1), jnp.bool_)
   starts = jnp.concatenate([edge, change], axis=1)
   ends = jnp.concatenate([change, edge], axis=1)
-  slot = jnp.remainder(other, slots)
-  first = jnp.full((b, slots), so, jnp.int32).at[row, jnp.where(starts, slot, slots)].min(
-      pos, mode="drop")
-  last = jnp.full((b, slots), -1, jnp.int32).at[row, jnp.where(ends, slot, slots)].max(
-      pos, mode="drop")
-  at = lambda x, i: jnp.take_along_axis(x, i, axis=1)
-  mine = jnp.remainder(ids, slots)
-  lo = at(first, mine)
-  # An empty slot has first = So and last = -1: an empty span, hit or not.
-  hit = at(other, jnp.minimum(lo, so - 1)) == ids
-  return jnp.where(hit, lo, 0), jnp.where(hit, at(last, mine) + 1, 0)
+  # A run's start and end share their id's slot: one max-scatter of the pair
+  # (So - first, last) writes both (-1 where a position is not that end).
+  pair = jnp.stack([jnp.where(starts, so - pos, -1), jnp.where(ends, pos, -1)], -1)
+  slot = jnp.where(starts | ends, jnp.remainder(other, slots), slots)
+  table = jnp.full((b, slots, 2), -1, jnp.int32).at[row, slot].max(pair, mode="drop")
+  found = jnp.take_along_axis(table, jnp.remainder(ids, slots)[:, :, None], axis=1)
+  # An empty slot holds (-1, -1): first = So + 1 and last = -1, an empty span.
+  lo, hi = so - found[..., 0], found[..., 1] + 1
+  hit = jnp.take_along_axis(other, jnp.minimum(lo, so - 1), axis=1) == ids
+  return jnp.where(hit, lo, 0), jnp.where(hit, hi, 0)
 
 
 def spans(q_ids, kv_ids, band: Band | None, seq_q: int, seq_k: int, *,
@@ -218,3 +218,28 @@ def spans(q_ids, kv_ids, band: Band | None, seq_q: int, seq_k: int, *,
     if upper is not None:
       hi = jnp.minimum(hi, i + sign * band.offset + upper + 1)
   return jnp.stack([lo, hi], axis=1)
+
+
+def span_blocks(spans, block: int, other_block: int):
+  """The visible-block table of :func:`spans`: per block of ``block`` own
+  positions (``spans [B, 2, n]``, ``n`` a multiple of ``block``), the other
+  side's blocks of ``other_block`` positions ``[lo, hi)`` that a nonempty span
+  reaches and the run ``[one_lo, one_hi)`` that every span of the block covers
+  whole, where nothing is masked (the band and the real length are in the
+  spans); ``[B, 4, n / block]`` int32, ``(0, 0)`` where none.
+
+  The layout of :func:`visible_blocks` with :func:`single_id_blocks`, from one
+  reduction over the spans instead of the ids' block ranges and their
+  ``[B, n_own, n_other]`` comparisons."""
+  b, _, n = spans.shape
+  lo, hi = (spans[:, i].reshape(b, n // block, block) for i in (0, 1))
+  some = lo < hi
+  reached = some.any(-1)
+  first = jnp.where(some, lo, jnp.iinfo(jnp.int32).max).min(-1)
+  stop = jnp.where(some, hi, 0).max(-1)
+  # Spans start at 0 or later: ceil by negated floor division.
+  one_lo, one_hi = -(-lo.max(-1) // other_block), hi.min(-1) // other_block
+  whole = one_lo < one_hi  # every span nonempty and covering a block
+  return jnp.stack([jnp.where(reached, first // other_block, 0),
+                    jnp.where(reached, -(-stop // other_block), 0),
+                    jnp.where(whole, one_lo, 0), jnp.where(whole, one_hi, 0)], axis=1)

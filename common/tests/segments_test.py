@@ -226,3 +226,78 @@ def test_ids_at_both_ends_of_their_range_keep_their_own_runs():
   q = jnp.asarray([[-32, 0, -1, 31]], jnp.int32)
   span = segments.spans(q, kv, None, 4, 32)
   np.testing.assert_array_equal(np.asarray(span)[0], [[8, 0, 24, 16], [16, 8, 32, 24]])
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _span_tables(q_ids, kv_ids, band, seq_q, seq_k, over_kv, block, other_block):
+  spans = segments.spans(q_ids, kv_ids, band, seq_q, seq_k, over_kv=over_kv)
+  return spans, segments.span_blocks(spans, block, other_block)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(p=problems(), padding_id=st.booleans())
+def test_span_blocks_cover_the_mask_and_their_unmasked_run_is_whole(p, padding_id):
+  """segments.span_blocks per own block (queries, or keys for the dK/dV side):
+  every block of the other side holding an allowed pair of the block's real
+  positions lies in ``[lo, hi)``, whose ends hold one of its spans' positions;
+  every block of ``[one_lo, one_hi)`` is allowed for every position of the
+  block, padded ones included (the kernels mask nothing there); ``(0, 0)``
+  where a block sees nothing."""
+  rng = np.random.default_rng(p["seed"])
+  b, sq, sk, bq, bk = p["batch"], p["seq_q"], p["seq_k"], p["block_q"], p["block_kv"]
+  order = "shuffled" if p["order"] == "random" else p["order"]
+  band = Band(seq_q=sq, seq_k=sk, **BANDS[p["band"]])
+  q_ids = documents(rng, b, sq, p["max_doc"], order)
+  kv_ids = q_ids if p["shared"] else documents(rng, b, sk, p["max_doc"], order)
+  if padding_id:
+    q_ids, kv_ids = q_ids.copy(), kv_ids.copy()
+    q_ids[:, sq - sq // 3:] = -1
+    kv_ids[:, sk - sk // 4:] = -1
+  # Padded to whole blocks plus one by repeating the last id, as the kernels' are.
+  sqp, skp = (-(-sq // bq) + 1) * bq, (-(-sk // bk) + 1) * bk
+  qp = np.pad(q_ids, ((0, 0), (0, sqp - sq)), mode="edge")
+  kp = np.pad(kv_ids, ((0, 0), (0, skp - sk)), mode="edge")
+  rows, cols = np.arange(sqp)[:, None], np.arange(skp)[None, :]
+  dense = (qp[:, :, None] == kp[:, None, :]) & (rows < sq) & (cols < sk)
+  if not band.is_full:
+    dense &= np.asarray(band_allowed(rows, cols, band))
+  for over_kv in (True, False):
+    own, other = (bq, bk) if over_kv else (bk, bq)
+    allowed = dense if over_kv else np.swapaxes(dense, 1, 2)
+    real = sq if over_kv else sk
+    spans, table = (np.asarray(x) for x in _span_tables(
+        qp, kp, band, sq, sk, over_kv, own, other))
+    n_other = allowed.shape[2] // other
+    for bi in range(b):
+      for i in range(allowed.shape[1] // own):
+        lo, hi, one_lo, one_hi = table[bi, :, i]
+        block = allowed[bi, i * own:(i + 1) * own]
+        hit = block[:min(own, max(real - i * own, 0))].reshape(-1, n_other, other)
+        seen = np.flatnonzero(hit.any(axis=(0, 2)))
+        assert ((seen >= lo) & (seen < hi)).all(), (over_kv, bi, i)
+        sp = spans[bi, :, i * own:(i + 1) * own]
+        if hi > lo:
+          some = sp[0] < sp[1]
+          assert (sp[0][some] // other).min() == lo
+          assert -(-sp[1][some].max() // other) == hi
+        else:
+          assert (lo, hi) == (0, 0) and not (sp[0] < sp[1]).any()
+        assert one_lo <= one_hi
+        cover = np.arange(one_lo * other, one_hi * other)
+        assert ((cover[None, :] >= sp[0][:, None]) &
+                (cover[None, :] < sp[1][:, None])).all(), (over_kv, bi, i)
+        assert block[:max(real - i * own, 0)][:, cover].all(), (over_kv, bi, i)
+
+
+def test_span_blocks_unmasked_run_of_documents_and_a_causal_band():
+  """Two 64-token documents in 16-position blocks, causal: a query block sees
+  its own document's blocks up to the diagonal, and needs the mask only on the
+  diagonal block."""
+  ids = jnp.asarray([[0] * 64 + [1] * 64], jnp.int32)
+  band = Band(seq_q=128, seq_k=128, right=0)
+  spans = segments.spans(ids, ids, band, 128, 128)
+  table = np.asarray(segments.span_blocks(spans, 16, 16))[0]
+  np.testing.assert_array_equal(table[:, 5], [4, 6, 4, 5])
+  np.testing.assert_array_equal(table[:, 4], [4, 5, 0, 0])
+  np.testing.assert_array_equal(table[:, 3], [0, 4, 0, 3])

@@ -275,12 +275,15 @@ def balanced_order(g: Geometry, visible=None):
 
 def _deal(steps, ctas: int, most: int, xp):
   """:func:`balanced_order`'s table from ``steps [num_tiles]`` (each at most
-  ``most``) with ``xp`` (numpy or jax.numpy): on the host one sort, on the
-  device :func:`_window_order`; no sequential loop."""
+  ``most``) with ``xp`` (numpy or jax.numpy): each tile's rank in the order
+  (window, longest first, tile), on the host from one sort, on the device
+  from :func:`_window_ranks`; then :func:`_seat` puts rank ``p`` in its CTA's
+  row. The counts depend on the tile count alone: host constants. No
+  sequential loop, and on the device one scatter."""
   n = steps.shape[0]
   rounds = -(-n // ctas)
   if xp is not np:
-    order = _window_order(steps, WINDOW_ROUNDS * ctas, most)
+    rank = _window_ranks(steps, WINDOW_ROUNDS * ctas, most)
   else:
     t = np.arange(n, dtype=np.int32)
     window = t // (WINDOW_ROUNDS * ctas)
@@ -289,29 +292,38 @@ def _deal(steps, ctas: int, most: int, xp):
       order = np.argsort(window * (most + 1) + (most - steps), stable=True)
     else:
       order = np.lexsort((t, -steps, window))
-  r = xp.arange(rounds, dtype=np.int32)[None, :]
-  c = xp.arange(ctas, dtype=np.int32)[:, None]
+    rank = np.empty(n, np.int32)
+    rank[order] = t
+  base = np.zeros((ctas, rounds + 2), np.int32)
+  # Only the last round is partial: its first n % ctas seats are taken.
+  base[:, 0] = np.bincount(_seat(np.arange(n), ctas)[0], minlength=ctas)
+  cta, col = _seat(rank, ctas)
+  tiles = xp.arange(n, dtype=np.int32)
+  if xp is np:
+    base[cta, col] = tiles
+    return base
+  return jnp.asarray(base).at[cta, col].set(tiles, unique_indices=True)
+
+
+def _seat(rank, ctas: int):
+  """The (CTA, table column) of the tile ranked ``rank``: one tile per CTA per
+  round, every other round in reverse CTA order (a snake), and the pattern
+  flipped every window of ``WINDOW_ROUNDS`` rounds."""
+  r, c = rank // ctas, rank % ctas
   flip = (r % 2) != ((r // WINDOW_ROUNDS) % 2)
-  rank = r * ctas + xp.where(flip, ctas - 1 - c, c)  # [ctas, rounds]
-  dealt = rank < n
-  tiles = xp.where(dealt, order[xp.minimum(rank, n - 1)], 0)
-  count = dealt.sum(1, dtype=np.int32)[:, None]
-  # Only the last round is partial, and its undealt entries are a row's last.
-  return xp.concatenate([count, tiles, xp.zeros((ctas, 1), np.int32)],
-                        axis=1).astype(np.int32)
+  return (ctas - 1 - c) * flip + c * (1 - flip), 1 + r
 
 
-def _window_order(steps, size: int, most: int):
-  """The tiles ordered by (window of ``size`` consecutive tiles, longest first,
-  tile) on the device, without a sort: each tile's rank in its window counts
-  the window's tiles that go before it (one fused compare and sum), and the
-  ranks scatter the tiles into place. On an H200 (2026-11-27, 2048 tiles) an
-  argsort of the same key took 13.9 us per call, the ranks about 2 us. The
-  comparisons grow as tiles x window size (528 on 132 SMs); XLA fuses them into
-  the sum, and larger tile counts are not measured."""
+def _window_ranks(steps, size: int, most: int):
+  """Each tile's rank in the order (window of ``size`` consecutive tiles,
+  longest first, tile) on the device, without a sort: the window's tiles that
+  go before it (one fused compare and sum). On an H200 (2026-11-27, 2048
+  tiles) an argsort of the same key took 13.9 us per call, the ranks about 2
+  us. The comparisons grow as tiles x window size (528 on 132 SMs); XLA fuses
+  them into the sum, and larger tile counts are not measured."""
   n = steps.shape[0]
   windows = -(-n // size)
-  # Padding tiles rank after every real tile of the last window, so past n.
+  # Padding tiles rank after every real tile of the last window.
   key = jnp.full((windows * size,), most + 1, jnp.int32).at[:n].set(
       most - steps.astype(jnp.int32)).reshape(windows, size)
   i = jnp.arange(size, dtype=jnp.int32)
@@ -319,8 +331,7 @@ def _window_order(steps, size: int, most: int):
   goes_before = (other < mine) | ((other == mine) & (i[None, None, :] < i[None, :, None]))
   rank = goes_before.sum(-1, dtype=jnp.int32) + (
       jnp.arange(windows, dtype=jnp.int32) * size)[:, None]
-  tiles = jnp.arange(windows * size, dtype=jnp.int32)
-  return jnp.zeros_like(tiles).at[rank.reshape(-1)].set(tiles, unique_indices=True)[:n]
+  return rank.reshape(-1)[:n]
 
 
 def num_units(g: Geometry) -> int:

@@ -189,17 +189,6 @@ def registers(g: Geometry) -> tuple[int, int]:
   return pipeline.REGISTERS_WIDE if wide else pipeline.REGISTERS
 
 
-def _segment_scoped(g: Geometry, own: int, streamed: int):
-  """Shared memory and barriers for the ids (or with ``g.segment_spans`` the
-  spans) of a CTA's two warpgroup blocks (``own`` each) and the ids of each ring
-  slot (``streamed`` each)."""
-  if not g.segments:
-    return ()
-  own_shape = (2, 2, own) if g.segment_spans else (2, own)
-  return ((plgpu.SMEM(own_shape, jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
-          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.num_stages)))
-
-
 def _segment_parts(g: Geometry, seg, b_idx):
   """``(visible(i), (own ids or spans ref, streamed ids ref, shared memory,
   barriers))`` of a kernel with segment ids, or Nones."""
@@ -207,7 +196,7 @@ def _segment_parts(g: Geometry, seg, b_idx):
     return None, None
   (own_ref, streamed_ref, vis_ref), smem, bars = seg
   return (lambda i: tuple(vis_ref[b_idx, j, i] for j in range(4))), (
-      own_ref, streamed_ref, smem, bars)
+      own_ref, streamed_ref, *pipeline.segment_buffers(smem, bars))
 
 
 def _dkv_program(g: Geometry, dtype):
@@ -475,7 +464,7 @@ def _dkv_program(g: Geometry, dtype):
   if additive:
     tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bk, bq)
     smem, bars = smem + (tile_smem,), bars + (tile_bars,)
-  return (smem, bars, _free(stages)) + _segment_scoped(g, bk, bq), kernel
+  return (smem, bars, _free(stages)) + pipeline.segment_scoped(g, bk, bq), kernel
 
 
 def _free(stages: int):
@@ -852,7 +841,7 @@ def _dq_program(g: Geometry, dtype):
     if g.bias_grad:  # one dS stage per warpgroup
       smem += (plgpu.SMEM((2, bq, bk), ds_dtype(g),
                           transforms=additive_tiling(ds_dtype(g))),)
-  return (smem, bars, _free(stages)) + _segment_scoped(g, bq, bk), kernel
+  return (smem, bars, _free(stages)) + pipeline.segment_scoped(g, bq, bk), kernel
 
 
 def _dq_tile(g: Geometry, index):

@@ -150,9 +150,9 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         b_idx, h, _, r0 = rows_of(unit_tile(g, u))
         plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(r0, bq), h], my_q, q_bar.at[wg])
         if g.segments:  # the rows' ids, or their key spans' starts and ends
-          spans = (slice(None),) if g.segment_spans else ()
-          plgpu.copy_gmem_to_smem(qid_ref.at[(b_idx, *spans, pl.ds(r0, bq))],
-                                  qid_smem.at[wg], qid_bar.at[wg])
+          plgpu.copy_gmem_to_smem(
+              pipeline.own_window(qid_ref, b_idx, r0, bq, g.segment_spans),
+              qid_smem.at[wg], qid_bar.at[wg])
 
       first, take = walks_ahead(g, n_local, unit, visible)
       load_q(unit(0))
@@ -394,10 +394,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2))
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-    own_shape = (2, 2, bq) if g.segment_spans else (2, bq)
-    seg_scoped = ((plgpu.SMEM(own_shape, jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
-                  (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
-                  ) if g.segments else ()
+    seg_scoped = pipeline.segment_scoped(g, bq, bk)
 
     bias_scoped = (pipeline.tile_slots(g.bias_dtype, stages, bq, bk)
                    if g.bias_dtype is not None else ())
@@ -405,7 +402,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
     def scoped_kernel(smem, bars, free, sched, *extra):
       seg = add = None
       if g.segments:
-        seg, extra = (seg_refs,) + tuple(extra[:2]), extra[2:]
+        seg, extra = (seg_refs,) + pipeline.segment_buffers(*extra[:2]), extra[2:]
       if g.bias_dtype is not None:
         add = (bias_ref,) + tuple(extra[:2])
       kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, parts, seg, add, seed_ref, order_ref,

@@ -185,17 +185,19 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
     ids do not mask, ``[B, 4, n / block]`` (lo, hi, one_lo, one_hi)."""
   if not g.segments:
     return ()
+  q_ids = _pad_ids(ops.q_segment_ids, g.seq_q_padded)
+  kv_ids = _pad_ids(ops.kv_segment_ids, g.seq_k_padded)
+  own, other = (q_ids, kv_ids) if over_kv else (kv_ids, q_ids)
+  blocks = (g.block_q, g.block_kv) if over_kv else (g.block_kv, g.block_q)
+  if g.segment_spans:
+    own = segments.spans(q_ids, kv_ids, g.band, g.seq_q, g.seq_k, over_kv=over_kv)
+    return own, other, segments.span_blocks(own, *blocks)
   nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
   q_rng = segments.block_id_ranges(ops.q_segment_ids, g.block_q, nq)
   kv_rng = segments.block_id_ranges(ops.kv_segment_ids, g.block_kv, nk)
   find = segments.visible_kv_blocks if over_kv else segments.visible_q_blocks
   table = jnp.stack(find(q_rng, kv_rng, g.band, g.block_q, g.block_kv) +
                     segments.single_id_blocks(q_rng, kv_rng, over_kv), axis=1)
-  q_ids = _pad_ids(ops.q_segment_ids, g.seq_q_padded)
-  kv_ids = _pad_ids(ops.kv_segment_ids, g.seq_k_padded)
-  own, other = (q_ids, kv_ids) if over_kv else (kv_ids, q_ids)
-  if g.segment_spans:
-    own = segments.spans(q_ids, kv_ids, g.band, g.seq_q, g.seq_k, over_kv=over_kv)
   return own, other, table
 
 

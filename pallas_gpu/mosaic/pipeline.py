@@ -135,10 +135,38 @@ def own_rows(bar, smem, wg, layout, spans: bool):
   return [compat.mgpu_load(smem.at[wg, i], layout) for i in range(2)]
 
 
+def own_window(ids_ref, b_idx, start, n: int, spans: bool):
+  """The ``n`` own positions from ``start`` of batch ``b_idx`` in ``ids_ref``
+  (``[B, S]`` ids, or with ``spans`` ``[B, 2, S]`` span starts and ends)."""
+  if spans:
+    return ids_ref.at[b_idx, :, pl.ds(start, n)]
+  return ids_ref.at[b_idx, pl.ds(start, n)]
+
+
 def own_ids(ids_ref, smem, bar, b_idx, start, n: int, wg, layout, spans: bool):
   """:func:`own_rows` of warpgroup ``wg``'s own ``n`` rows (or keys) from
-  ``start``, copied from ``ids_ref`` (``[B, S]`` ids, or with ``spans`` ``[B, 2,
-  S]``) into its slot."""
-  window = (b_idx, slice(None), pl.ds(start, n)) if spans else (b_idx, pl.ds(start, n))
-  plgpu.copy_gmem_to_smem(ids_ref.at[window], smem.at[wg], bar.at[wg])
+  ``start`` (:func:`own_window`), copied into its slot."""
+  plgpu.copy_gmem_to_smem(own_window(ids_ref, b_idx, start, n, spans), smem.at[wg],
+                          bar.at[wg])
   return own_rows(bar, smem, wg, layout, spans)
+
+
+def segment_scoped(g, own: int, streamed: int):
+  """Shared memory and barriers for the segment operands of a CTA's two
+  warpgroup blocks (``own`` positions each: ids, or with ``g.segment_spans``
+  span starts and ends) and, without spans, for the ids streamed with each ring
+  slot (``streamed`` each); ``()`` without segment ids. Read them back with
+  :func:`segment_buffers`."""
+  if not g.segments:
+    return ()
+  if g.segment_spans:
+    return ((plgpu.SMEM((2, 2, own), jnp.int32),), (plgpu.Barrier(num_barriers=2),))
+  return ((plgpu.SMEM((2, own), jnp.int32), plgpu.SMEM((g.num_stages, streamed), jnp.int32)),
+          (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=g.num_stages)))
+
+
+def segment_buffers(smem, bars):
+  """:func:`segment_scoped`'s buffers as ``((own, streamed), (own barriers,
+  streamed barriers))``, the streamed ones None with spans."""
+  pad = lambda x: (tuple(x) + (None,))[:2]
+  return pad(smem), pad(bars)

@@ -299,7 +299,7 @@ def test_deal_orders_by_window_then_longest_on_host_and_device(xp):
     (1000, 24, 3),  # a partial last window, many ties
     (2048, 132, 128)])  # a 16k-token row's tiles on an H100 / H200
 def test_device_deal_equals_host_deal(n, ctas, most):
-  """The device's table (each tile's rank in its window, blocks._window_order)
+  """The device's table (each tile's rank in its window, blocks._window_ranks)
   is the host's (a stable sort), zero-step tiles and ties included."""
   steps = np.random.default_rng(n).integers(0, most + 1, n).astype(np.int32)
   steps[::7] = 0
@@ -308,15 +308,20 @@ def test_device_deal_equals_host_deal(n, ctas, most):
   np.testing.assert_array_equal(np.asarray(device), host)
 
 
-@pytest.mark.parametrize("lengths", [
-    (2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled",
-    (64, 64, 128)])  # the last: fewer tiles than CTAs, one round
+# The last: fewer tiles than CTAs, one round. Shuffled tokens are not
+# contiguous segments.
+@pytest.mark.parametrize("lengths,contiguous", [
+    (lengths, contiguous) for lengths in
+    ((2048,) * 8, (64, 192, 256, 768, 1024, 2048, 4096, 7936), (512,) * 32, "shuffled",
+     (64, 64, 128))
+    for contiguous in ((False,) if lengths == "shuffled" else (False, True))])
 @pytest.mark.parametrize("causal", (True, False))
-def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
+def test_device_order_covers_every_tile_once_and_balances(lengths, causal, contiguous):
   """blocks.balanced_order under segment ids (the tiles ordered on the device
-  from the ids' visible blocks): every tile once, each CTA's in window order,
-  the steps those of the kernel's walk, and no CTA's load above the least
-  loaded one's by more than one tile's."""
+  from the ids' visible blocks, or with contiguous segments from the spans'):
+  every tile once, each CTA's in window order, the steps those of the kernel's
+  walk, and no CTA's load above the least loaded one's by more than one
+  tile's."""
   rng = np.random.default_rng(1)
   if lengths == "shuffled":  # unsorted ids: a q block's blocks need not be one run
     ids = rng.permutation(np.repeat(np.arange(40), 100))[None].astype(np.int32)
@@ -325,10 +330,11 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal):
   seq = ids.shape[1]
   sd = jax.ShapeDtypeStruct((1, seq), jnp.int32)
   s = spec_lib.abstract_spec(batch=1, seq_q=seq, seq_k=seq, heads_q=16, head_dim=128,
-                             causal=causal, segment_ids=(sd, sd))
+                             causal=causal, segment_ids=(sd, sd),
+                             contiguous_segments=contiguous)
   cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(persistent=True))
   g = dataclasses.replace(mosaic.geometry(s, cfg), persistent_ctas=132)
-  assert g.balanced and g.segments
+  assert g.balanced and g.segments and g.segment_spans == contiguous
   ops = spec_lib.Operands(q=None, k=None, v=None, q_segment_ids=jnp.asarray(ids),
                           kv_segment_ids=jnp.asarray(ids))
   visible = jax.jit(lambda ops: mosaic.segment_operands(ops, g)[2])(ops)
