@@ -71,10 +71,11 @@ def functions(fn, causal: bool):
 
 
 def jvp_function(fn, causal: bool):
-  """Jitted ``jax.jvp`` of ``fn`` in q, k and v: ``(q, k, v, tq, tk, tv) ->
-  (out, tangent of out)``."""
-  return jax.jit(lambda q, k, v, tq, tk, tv: jax.jvp(
-      lambda q, k, v: fn(q, k, v, causal), (q, k, v), (tq, tk, tv)))
+  """Jitted ``jax.jvp`` of ``fn`` in q, k and v: ``(q, k, v, tq, tk, tv,
+  *operands) -> (out, tangent of out)``, with ``packed.operands(fn)`` as
+  arguments."""
+  return jax.jit(lambda q, k, v, tq, tk, tv, *ops: jax.jvp(
+      lambda q, k, v: fn(q, k, v, causal, *ops), (q, k, v), (tq, tk, tv)))
 
 
 def compiled_mib(f, args) -> float | None:
@@ -195,7 +196,8 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     if {"bwd", "fwd_bwd"} & set(directions):
       calls[(name, "fwd_bwd")] = compiled[name][1]
     if "jvp" in directions:
-      calls[(name, "jvp")] = (jvp_function(fn, shape.causal), (q, k, v, *tangents))
+      calls[(name, "jvp")] = (jvp_function(fn, shape.causal),
+                              (q, k, v, *tangents, *ops))
   # Forwards are interleaved with forwards, backwards with backwards, jvps with
   # jvps.
   times = {}
@@ -220,9 +222,8 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
     mem = {"fwd": compiled_mib(*fwd), "fwd_bwd": compiled_mib(*fwd_bwd)}
     mem["bwd"] = mem["fwd_bwd"]
     if "jvp" in directions:
-      jvp_args = (q, k, v, *tangents)
       mem["jvp"] = (None if isinstance(mine["jvp"], Exception) else
-                    compiled_mib(calls[(name, "jvp")][0], jvp_args))
+                    compiled_mib(*calls[(name, "jvp")]))
     peak = allocator_peak_mib()
     for d in directions:
       ms = mine[d]

@@ -167,8 +167,8 @@ def id_runs(ids, other):
 
   O(S + So), no sort and no scan: each run of ``other`` records its first and
   last position in a slot ``id mod 2 So`` (ids in ``[-So, So)`` never share
-  one). Only run ends are scattered, so a slot takes one write per run:
-  scattering every position made a long run's atomic updates queue on one
+  one). Only run ends are scattered, so a slot takes at most two writes per
+  run: scattering every position made a long run's atomic updates queue on one
   address. (Finding the runs by a sort or by cumulative scans made packed
   forwards at 16k tokens 0.68-0.96x of the ids' compare on an H200,
   2026-11-27; with scatters 1.04-1.08x.)"""
@@ -225,12 +225,16 @@ def span_blocks(spans, block: int, other_block: int):
   positions (``spans [B, 2, n]``, ``n`` a multiple of ``block``), the other
   side's blocks of ``other_block`` positions ``[lo, hi)`` that a nonempty span
   reaches and the run ``[one_lo, one_hi)`` that every span of the block covers
-  whole, where nothing is masked (the band and the real length are in the
-  spans); ``[B, 4, n / block]`` int32, ``(0, 0)`` where none.
+  whole; ``[B, 4, n / block]`` int32, ``(0, 0)`` where none. A kernel may skip
+  every mask in that run: the other side's band and real length are in the
+  spans. Own positions past their real length (padding, with the last id's
+  span) count like the others, so they may narrow the run and widen
+  ``[lo, hi)``.
 
-  The layout of :func:`visible_blocks` with :func:`single_id_blocks`, from one
-  reduction over the spans instead of the ids' block ranges and their
-  ``[B, n_own, n_other]`` comparisons."""
+  The layout of :func:`visible_blocks` with :func:`single_id_blocks`, whose run
+  leaves the band's mask to the kernel; this run needs none. One reduction over
+  the spans instead of the ids' block ranges and their ``[B, n_own, n_other]``
+  comparisons."""
   b, _, n = spans.shape
   lo, hi = (spans[:, i].reshape(b, n // block, block) for i in (0, 1))
   some = lo < hi

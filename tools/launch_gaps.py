@@ -12,7 +12,7 @@ are arguments of the traced programs). Each forward
 and each backward (the vjp alone) runs N times back to back under
 ``jax.profiler``; from the trace's device events it prints, per call, the host
 wall time, the span from the first kernel's start to the last one's end, the
-summed kernel time and the idle time inside the span, and the kernels by total
+kernels' busy time (the union of their intervals) and the idle time inside the span, and the kernels by total
 time. A CLI ratio that differs from the kernels' ratio (Nsight Compute) shows
 up here as idle device time or as host time outside the span.
 """

@@ -283,17 +283,21 @@ def test_span_blocks_cover_the_mask_and_their_unmasked_run_is_whole(p, padding_i
           assert -(-sp[1][some].max() // other) == hi
         else:
           assert (lo, hi) == (0, 0) and not (sp[0] < sp[1]).any()
-        assert one_lo <= one_hi
+        # The run is every block that each span of the block covers whole.
+        starts = np.arange(n_other)[None, :] * other
+        whole = np.flatnonzero(((starts >= sp[0][:, None]) &
+                                (starts + other <= sp[1][:, None])).all(axis=0))
+        want = (whole.min(), whole.max() + 1) if whole.size else (0, 0)
+        assert (one_lo, one_hi) == want, (over_kv, bi, i)
         cover = np.arange(one_lo * other, one_hi * other)
-        assert ((cover[None, :] >= sp[0][:, None]) &
-                (cover[None, :] < sp[1][:, None])).all(), (over_kv, bi, i)
         assert block[:max(real - i * own, 0)][:, cover].all(), (over_kv, bi, i)
 
 
 def test_span_blocks_unmasked_run_of_documents_and_a_causal_band():
   """Two 64-token documents in 16-position blocks, causal: a query block sees
   its own document's blocks up to the diagonal, and needs the mask only on the
-  diagonal block."""
+  diagonal block; a key block is seen by its document's queries from the
+  diagonal on."""
   ids = jnp.asarray([[0] * 64 + [1] * 64], jnp.int32)
   band = Band(seq_q=128, seq_k=128, right=0)
   spans = segments.spans(ids, ids, band, 128, 128)
@@ -301,3 +305,9 @@ def test_span_blocks_unmasked_run_of_documents_and_a_causal_band():
   np.testing.assert_array_equal(table[:, 5], [4, 6, 4, 5])
   np.testing.assert_array_equal(table[:, 4], [4, 5, 0, 0])
   np.testing.assert_array_equal(table[:, 3], [0, 4, 0, 3])
+  # The dK/dV side: key k of a document is seen by its queries from k on.
+  key_spans = segments.spans(ids, ids, band, 128, 128, over_kv=False)
+  table = np.asarray(segments.span_blocks(key_spans, 16, 16))[0]
+  np.testing.assert_array_equal(table[:, 5], [5, 8, 6, 8])
+  np.testing.assert_array_equal(table[:, 3], [3, 4, 0, 0])
+  np.testing.assert_array_equal(table[:, 0], [0, 4, 1, 4])

@@ -431,7 +431,8 @@ def wg_q_ranges(g: Geometry, k0):
 def segment_narrow(rg, seg):
   """A warpgroup's band ranges ``(lo, a, b, hi)`` cut to the blocks segment ids
   leave visible, ``seg = (lo, hi, one_lo, one_hi)``: blocks ``[one_lo, one_hi)``
-  hold the warpgroup's own single id only, so only the band may mask there."""
+  hold the warpgroup's own single id only, so only the band may mask there
+  (with spans, segments.span_blocks: every row sees them whole)."""
   lo = jnp.maximum(rg[0], seg[0])
   hi = jnp.maximum(jnp.minimum(rg[3], seg[1]), lo)
   a = _clamp(jnp.maximum(rg[1], seg[2]), lo, hi)

@@ -41,7 +41,8 @@ steps cost 10-12% of the forward at 16k tokens on an H200, mostly in registers
 (``Geometry.segment_spans``: each id's keys form one run, as packed documents'
 do) each row's key span comes with Q instead (common/segments.spans), no kv ids
 stream, and a masked step compares key positions with two per-row bounds that
-hold the band and Sk too, as the band alone did. The caller promises the runs
+hold the band and Sk too, as the band alone did; the table then comes from the
+spans (segments.span_blocks). The caller promises the runs
 (``contiguous_segments``): choosing the form from the ids on the device cost
 more than it saved on an H200 (2026-11-27: a ``lax.cond`` between two kernels
 about 14 us per call, both forms in one kernel a forward 0.81-0.96x;

@@ -182,7 +182,9 @@ def segment_operands(ops, g: Geometry, over_kv: bool = True):
   * the other side's ids ``[B, m]`` (unused with ``g.segment_spans``);
   * per warpgroup block (``block_q`` rows, or ``block_kv`` keys), the blocks of
     the other side that the ids leave visible and the run among them that the
-    ids do not mask, ``[B, 4, n / block]`` (lo, hi, one_lo, one_hi)."""
+    ids do not mask, ``[B, 4, n / block]`` (lo, hi, one_lo, one_hi); with
+    ``g.segment_spans`` from the spans (segments.span_blocks), whose run needs
+    no mask at all."""
   if not g.segments:
     return ()
   q_ids = _pad_ids(ops.q_segment_ids, g.seq_q_padded)
