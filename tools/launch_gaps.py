@@ -8,11 +8,11 @@ rows). In the ``packed`` sets each implementation runs as the CLI's packed
 benchmark runs it (with segment ids, ``[batched]`` on the same documents, and
 the varlen entries; benchmarks/packed.py), which splits a packed call's cost
 into its kernels and the XLA work that prepares the ids (the ids and offsets
-are arguments of the traced programs). Each forward
-and each backward (the vjp alone) runs N times back to back under
-``jax.profiler``; from the trace's device events it prints, per call, the host
-wall time, the span from the first kernel's start to the last one's end, the
-kernels' busy time (the union of their intervals) and the idle time inside the span, and the kernels by total
+are arguments of the traced programs). Each forward and each backward (the vjp
+alone) runs N times back to back under ``jax.profiler``; from the trace's
+device events it prints, per call, the host wall time, the span from the first
+kernel's start to the last one's end, the kernels' busy time (the union of
+their intervals) and the idle time inside the span, and the kernels by total
 time. A CLI ratio that differs from the kernels' ratio (Nsight Compute) shows
 up here as idle device time or as host time outside the span.
 """
