@@ -70,7 +70,6 @@ from jax import lax
 
 from ...common import compat, dropout
 from ...common.blocking import LOG2E
-from ...common.mask import band_allowed
 from . import pipeline
 from .blocks import (Geometry, additive_tiling, band_walk, cta_block_ranges,
                      cta_q_ranges, dropout_col_keys, dropout_keep,
@@ -252,6 +251,7 @@ def _dkv_program(g: Geometry, dtype):
       else:
         plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_bar.at[wg])
+      k_ids = None  # the keys' ids or row spans, with segment ids
       if g.segments:
         kid_ref, _, (kid_smem, qid_smem), (kid_bar, qid_bar) = ids
         k_ids = pipeline.own_ids(kid_ref, kid_smem, kid_bar, b_idx, k0, bk, wg,
@@ -300,14 +300,7 @@ def _dkv_program(g: Geometry, dtype):
         qi = q_ids(slot, masked)
         if masked:
           keys, qrows = _index((bk, bq), 0, k0), _index((bk, bq), 1, s * bq)
-          if g.segment_spans:  # the band and Sq are in the keys' spans
-            ok = pipeline.in_spans(qrows, k_ids, (bk, bq))
-          else:
-            ok = None if g.band.is_full else band_allowed(qrows, keys, g.band)
-          if g.segments and not g.segment_spans:
-            same = (lax.broadcast_in_dim(k_ids[0], (bk, bq), [0]) ==
-                    lax.broadcast_in_dim(qi, (bk, bq), [1]))
-            ok = same if ok is None else ok & same
+          ok = pipeline.allowed(g, qrows, keys, k_ids, qi, (bk, bq), over_kv=False)
           if ok is not None:
             pt = jnp.where(ok, pt, 0.0)
         return pt, tanh, keep
@@ -603,6 +596,7 @@ def _dq_program(g: Geometry, dtype):
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], do_bar.at[wg])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(r0, bq)], my_st,
                               st_bar.at[wg])
+      q_ids = None  # the rows' ids or key spans, with segment ids
       if g.segments:
         qid_ref, _, (qid_smem, kid_smem), (qid_bar, kid_bar) = ids
         q_ids = pipeline.own_ids(qid_ref, qid_smem, qid_bar, b_idx, r0, bq, wg,
@@ -669,15 +663,7 @@ def _dq_program(g: Geometry, dtype):
         p, tanh = _probs(scores, row(lse2), g, bias)
         if masked:
           qrows, keys = _index((bq, bk), 0, r0), _index((bq, bk), 1, s * bk)
-          if g.segment_spans:  # the band and Sk are in the rows' spans
-            ok = pipeline.in_spans(keys, q_ids, (bq, bk))
-          else:
-            ok = keys < g.seq_k
-          if not g.band.is_full and not g.segment_spans:
-            ok = ok & band_allowed(qrows, keys, g.band)
-          if g.segments and not g.segment_spans:
-            ok = ok & (lax.broadcast_in_dim(q_ids[0], (bq, bk), [0]) ==
-                       lax.broadcast_in_dim(k_ids, (bq, bk), [1]))
+          ok = pipeline.allowed(g, qrows, keys, q_ids, k_ids, (bq, bk))
           p = jnp.where(ok, p, 0.0)
         return p, tanh
 

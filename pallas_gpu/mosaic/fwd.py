@@ -71,7 +71,6 @@ from jax import lax
 
 from ...common import compat, dropout
 from ...common.blocking import LOG2E
-from ...common.mask import band_allowed
 from .. import tail_merge
 from . import pipeline
 from .blocks import (Geometry, balanced_order, band_walk, dropout_col_keys,
@@ -166,6 +165,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         lo, a, bb, hi = (pick(i) for i in range(4))
         slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
         plgpu.barrier_wait(q_bar.at[wg])
+        own = None  # the rows' ids or key spans, with segment ids
         if g.segments:
           own = pipeline.own_rows(qid_bar, qid_smem, wg, plgpu.Layout.WGMMA.reduce(1),
                                   g.segment_spans)
@@ -243,15 +243,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
                                           layout=plgpu.Layout.WGMMA) + r0
             cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                           layout=plgpu.Layout.WGMMA) + s * bk
-            if g.segment_spans:  # the band and Sk are in the spans
-              ok = pipeline.in_spans(cols, own, s2.shape)
-            else:
-              ok = cols < g.seq_k
-            if not g.band.is_full and not g.segment_spans:
-              ok = ok & band_allowed(rows, cols, g.band)
-            if g.segments and not g.segment_spans:
-              ok = ok & (lax.broadcast_in_dim(own[0], s2.shape, [0]) ==
-                         lax.broadcast_in_dim(k_ids, s2.shape, [1]))
+            ok = pipeline.allowed(g, rows, cols, own, k_ids, s2.shape)
             s2 = jnp.where(ok, s2, -jnp.inf)
           m_new = jnp.maximum(m, s2.max(axis=1) * mult)
           # Rows with nothing allowed yet keep m = -inf: shift by 0, not -inf.

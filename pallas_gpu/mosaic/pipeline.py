@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...common import compat
+from ...common.mask import band_allowed
 from .blocks import additive_tiling
 
 # Registers per thread of (each compute warpgroup, the memory warpgroup). A CTA
@@ -123,6 +124,27 @@ def in_spans(index, spans, shape):
   is ``[starts, ends]`` per row (dim 0), from :func:`own_rows`."""
   lo, hi = (lax.broadcast_in_dim(x, shape, [0]) for x in spans)
   return (index >= lo) & (index < hi)
+
+
+def allowed(g, q_pos, k_pos, own, streamed_ids, shape, over_kv: bool = True):
+  """Which elements of a masked step's ``shape`` tile are allowed, or None for
+  all: ``q_pos`` and ``k_pos`` are the tile's query and key positions, ``own``
+  the own rows' (keys' with ``over_kv=False``) operand from :func:`own_rows`
+  along dim 0, ``streamed_ids`` the other side's ids along dim 1. With spans,
+  the own positions' spans of the other side's (the band and the real length
+  are in them); else keys below Sk (where the own side is queries: the dK/dV
+  kernel cuts off keys past Sk), the band and equal ids."""
+  if g.segment_spans:
+    return in_spans(k_pos if over_kv else q_pos, own, shape)
+  ok = k_pos < g.seq_k if over_kv else None
+  if not g.band.is_full:
+    band = band_allowed(q_pos, k_pos, g.band)
+    ok = band if ok is None else ok & band
+  if g.segments:
+    same = (lax.broadcast_in_dim(own[0], shape, [0]) ==
+            lax.broadcast_in_dim(streamed_ids, shape, [1]))
+    ok = same if ok is None else ok & same
+  return ok
 
 
 def own_rows(bar, smem, wg, layout, spans: bool):
