@@ -241,3 +241,28 @@ def test_flash_mha_varlen_promises_runs_only_where_its_ids_fit(monkeypatch):
     kv = jnp.where(ids < 0, -2, ids)
     ref = reference.attention(x[None], x[None], x[None], segment_ids=(ids, kv))[0]
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_flash_mha_varlen_row_sequences_by_compare_and_by_scatter(monkeypatch):
+  """A packed row's sequence number, computed by comparing it with the offsets
+  (few sequences) and by a scatter and prefix sum (many), is the same: with
+  empty sequences, an offset at the total, padding rows and seqused_k."""
+  from flashjax.compat import flash_attn_jax as fa
+  rng = np.random.default_rng(5)
+  default = fa.COMPARE_OFFSETS
+  for n_seq, total in ((1, 7), (3, 40), (9, 64), (30, 50)):
+    cuts = np.sort(rng.integers(0, total + 1, n_seq - 1))
+    end = int(rng.integers(cuts[-1] if n_seq > 1 else 0, total + 1))
+    cu = jnp.asarray(np.concatenate([[0], cuts, [end]]), jnp.int32)
+    used = jnp.asarray(rng.integers(0, np.diff(np.asarray(cu)) + 1), jnp.int32)
+    got = {}
+    for limit in (default, -1):
+      monkeypatch.setattr(fa, "COMPARE_OFFSETS", limit)
+      got[limit] = [np.asarray(x) for x in fa._rows(cu, total, used)]
+    for a, b in zip(*got.values()):
+      np.testing.assert_array_equal(a, b)
+    # The sequence of a real row holds it: its offsets enclose the row.
+    rows, s, real = got[-1]
+    c = np.asarray(cu)
+    assert np.all((c[s] <= rows)[real]) and np.all((rows < c[s + 1])[real])
+    assert real.any() or end == 0
