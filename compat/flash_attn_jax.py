@@ -35,22 +35,25 @@ def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)
 COMPARE_OFFSETS = 128
 
 
-def _rows(cu, total, used=None):
+def _rows(cu, total, used=None, xp=jnp):
   """Each packed row's sequence, and whether it is a real row: before the last
   offset and, with ``used`` (flash-attn3's ``seqused_k``), among the first
-  ``used[s]`` rows of its sequence."""
-  rows = jnp.arange(total)
+  ``used[s]`` rows of its sequence. ``xp=np`` computes them on the host, from
+  concrete offsets."""
+  rows = xp.arange(total)
   # A row's sequence is the number of inner offsets at or before it.
   # (jnp.searchsorted's default scan is a loop that an H200 ran as a while loop
   # with a host round trip per step: 40 us of a 0.35 ms varlen forward, 8 x 2048
   # causal, 2026-11-24.)
   inner = cu[1:-1]
-  if inner.shape[0] <= COMPARE_OFFSETS:
+  if xp is np:
+    s = np.searchsorted(inner, rows, side="right")
+  elif inner.shape[0] <= COMPARE_OFFSETS:
     s = jnp.sum(inner[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
   else:
     starts = jnp.zeros((total,), jnp.int32).at[inner].add(1, mode="drop")
     s = jnp.cumsum(starts)
-  s = jnp.clip(s, 0, cu.shape[0] - 2)
+  s = xp.clip(s, 0, cu.shape[0] - 2)
   real = rows < cu[-1]
   if used is not None:
     real &= rows - cu[s] < used[s]
@@ -58,8 +61,16 @@ def _rows(cu, total, used=None):
 
 
 def _cu_to_ids(cu, total, pad_id, used=None):
-  _, s, real = _rows(cu, total, used)
-  return jnp.where(real, s.astype(jnp.int32), pad_id)
+  """Each packed row's sequence number, ``pad_id`` on padding and unused rows.
+  From concrete offsets the ids are computed on the host: an eager call then
+  neither runs a dozen small device computations for them nor waits for the
+  ids' copy back when the promise of contiguous segments is checked."""
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in (cu, used))
+  xp = np if concrete else jnp
+  if concrete:
+    cu, used = np.asarray(cu), None if used is None else np.asarray(used)
+  _, s, real = _rows(cu, total, used, xp)
+  return xp.where(real, s.astype(np.int32), np.int32(pad_id)).astype(np.int32)
 
 
 def _end_aligned_layout(cu_q, cu_k, total_q, total_k, used_k=None):

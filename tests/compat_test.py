@@ -243,26 +243,54 @@ def test_flash_mha_varlen_promises_runs_only_where_its_ids_fit(monkeypatch):
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
 
 
-def test_flash_mha_varlen_row_sequences_by_compare_and_by_scatter(monkeypatch):
+def test_flash_mha_varlen_row_sequences_by_compare_by_scatter_and_on_the_host(
+    monkeypatch):
   """A packed row's sequence number, computed by comparing it with the offsets
-  (few sequences) and by a scatter and prefix sum (many), is the same: with
-  empty sequences, an offset at the total, padding rows and seqused_k."""
+  (few sequences), by a scatter and prefix sum (many) and on the host (concrete
+  offsets), is the same: with empty sequences, an offset at the total, padding
+  rows and seqused_k."""
   from flashjax.compat import flash_attn_jax as fa
   rng = np.random.default_rng(5)
   default = fa.COMPARE_OFFSETS
   for n_seq, total in ((1, 7), (3, 40), (9, 64), (30, 50)):
     cuts = np.sort(rng.integers(0, total + 1, n_seq - 1))
     end = int(rng.integers(cuts[-1] if n_seq > 1 else 0, total + 1))
-    cu = jnp.asarray(np.concatenate([[0], cuts, [end]]), jnp.int32)
-    used = jnp.asarray(rng.integers(0, np.diff(np.asarray(cu)) + 1), jnp.int32)
-    got = {}
+    cu = np.concatenate([[0], cuts, [end]]).astype(np.int32)
+    used = rng.integers(0, np.diff(cu) + 1).astype(np.int32)
+    got = {"host": [np.asarray(x) for x in fa._rows(cu, total, used, np)]}
     for limit in (default, -1):
       monkeypatch.setattr(fa, "COMPARE_OFFSETS", limit)
-      got[limit] = [np.asarray(x) for x in fa._rows(cu, total, used)]
-    for a, b in zip(*got.values()):
+      got[limit] = [np.asarray(x) for x in fa._rows(jnp.asarray(cu), total,
+                                                    jnp.asarray(used))]
+    for a, b, c in zip(*got.values()):
       np.testing.assert_array_equal(a, b)
+      np.testing.assert_array_equal(a, c)
     # The sequence of a real row holds it: its offsets enclose the row.
-    rows, s, real = got[-1]
-    c = np.asarray(cu)
-    assert np.all((c[s] <= rows)[real]) and np.all((rows < c[s + 1])[real])
+    rows, s, real = got["host"]
+    assert np.all((cu[s] <= rows)[real]) and np.all((rows < cu[s + 1])[real])
     assert real.any() or end == 0
+    for pad in (-1, -2):
+      host = fa._cu_to_ids(jnp.asarray(cu), total, pad, jnp.asarray(used))
+      traced = jax.jit(lambda c, u: fa._cu_to_ids(c, total, pad, u))(cu, used)
+      assert isinstance(host, np.ndarray) and host.dtype == np.int32
+      np.testing.assert_array_equal(host, traced)
+
+
+def test_eager_flash_mha_varlen_checks_its_promise_on_host_ids(monkeypatch):
+  """Eager flash_mha_varlen (concrete offsets) builds its ids on the host, so
+  the promise's check reads them without copying ids back from the device;
+  under jit they are traced and go unchecked."""
+  from flashjax.common import spec as spec_lib
+  seen = []
+  check = spec_lib.check_contiguous_segments
+  monkeypatch.setattr(spec_lib, "check_contiguous_segments", lambda ids: (
+      seen.append([type(x) for x in ids]), check(ids))[1])
+  x = jax.random.normal(jax.random.key(4), (10, 2, 16))
+  cu = jnp.asarray([0, 3, 8], jnp.int32)
+  eager = flashjax.flash_mha_varlen(x, x, x, cu, cu, 5, 5, is_causal=True)
+  assert seen and all(t is np.ndarray for types in seen for t in types), seen
+  seen.clear()
+  jitted = jax.jit(lambda x, cu: flashjax.flash_mha_varlen(
+      x, x, x, cu, cu, 5, 5, is_causal=True))(x, cu)
+  assert all(issubclass(t, jax.core.Tracer) for types in seen for t in types), seen
+  np.testing.assert_allclose(eager, jitted, rtol=1e-6, atol=1e-6)
