@@ -31,7 +31,8 @@ def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)
 # offsets work that XLA fuses into the kernels using the ids; past it, a scatter
 # and a prefix sum, O(rows) but five kernels (a fill, the scatter and three
 # reduce-windows). On an H200 (2026-11-27, 16k tokens of 8, 9 and 32 sequences)
-# the compare made the varlen forward 1.011-1.080x faster.
+# the compare made the varlen forward 1.011-1.080x faster; the bound of 128 is
+# not measured (the compare's work grows with it).
 COMPARE_OFFSETS = 128
 
 
@@ -55,7 +56,7 @@ def _rows(cu, total, used=None, xp=jnp):
     s = jnp.cumsum(starts)
   s = xp.clip(s, 0, cu.shape[0] - 2)
   real = rows < cu[-1]
-  if used is not None:
+  if used is not None and used.shape[0]:  # no sequences: no real row to index
     real &= rows - cu[s] < used[s]
   return rows, s, real
 

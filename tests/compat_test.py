@@ -247,33 +247,33 @@ def test_flash_mha_varlen_row_sequences_by_compare_by_scatter_and_on_the_host(
     monkeypatch):
   """A packed row's sequence number, computed by comparing it with the offsets
   (few sequences), by a scatter and prefix sum (many) and on the host (concrete
-  offsets), is the same: with empty sequences, an offset at the total, padding
-  rows and seqused_k."""
+  offsets), is each row's sequence as the offsets lay them out: with empty
+  sequences, offsets at the total, padding rows, with and without seqused_k."""
   from flashjax.compat import flash_attn_jax as fa
   rng = np.random.default_rng(5)
   default = fa.COMPARE_OFFSETS
-  for n_seq, total in ((1, 7), (3, 40), (9, 64), (30, 50)):
+  cases = [(np.array(c, np.int32), t) for c, t in (
+      ([0, 3, 9, 9], 9), ([0, 0, 4, 9, 9], 12), ([0, 5], 5), ([0], 4))]
+  for n_seq, total in ((3, 40), (9, 64), (30, 50)):
     cuts = np.sort(rng.integers(0, total + 1, n_seq - 1))
-    end = int(rng.integers(cuts[-1] if n_seq > 1 else 0, total + 1))
-    cu = np.concatenate([[0], cuts, [end]]).astype(np.int32)
-    used = rng.integers(0, np.diff(cu) + 1).astype(np.int32)
-    got = {"host": [np.asarray(x) for x in fa._rows(cu, total, used, np)]}
-    for limit in (default, -1):
-      monkeypatch.setattr(fa, "COMPARE_OFFSETS", limit)
-      got[limit] = [np.asarray(x) for x in fa._rows(jnp.asarray(cu), total,
-                                                    jnp.asarray(used))]
-    for a, b, c in zip(*got.values()):
-      np.testing.assert_array_equal(a, b)
-      np.testing.assert_array_equal(a, c)
-    # The sequence of a real row holds it: its offsets enclose the row.
-    rows, s, real = got["host"]
-    assert np.all((cu[s] <= rows)[real]) and np.all((rows < cu[s + 1])[real])
-    assert real.any() or end == 0
-    for pad in (-1, -2):
-      host = fa._cu_to_ids(jnp.asarray(cu), total, pad, jnp.asarray(used))
-      traced = jax.jit(lambda c, u: fa._cu_to_ids(c, total, pad, u))(cu, used)
-      assert isinstance(host, np.ndarray) and host.dtype == np.int32
-      np.testing.assert_array_equal(host, traced)
+    end = int(rng.integers(cuts[-1], total + 1))
+    cases.append((np.concatenate([[0], cuts, [end]]).astype(np.int32), total))
+  for cu, total in cases:
+    lens = np.diff(cu)
+    for used in (None, rng.integers(0, lens + 1).astype(np.int32)):
+      # Brute force: sequence s holds rows cu[s]:cu[s+1], its first used[s] real.
+      want = np.full(total, -1)
+      for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        want[a:b if used is None else a + used[s]] = s
+      got = [fa._cu_to_ids(cu, total, -1, used)]
+      for limit in (default, -1):
+        monkeypatch.setattr(fa, "COMPARE_OFFSETS", limit)
+        jused = None if used is None else jnp.asarray(used)
+        got.append(fa._cu_to_ids(jnp.asarray(cu), total, -1, jused))
+        got.append(jax.jit(lambda c, u: fa._cu_to_ids(c, total, -1, u))(cu, used))
+      assert isinstance(got[0], np.ndarray) and got[0].dtype == np.int32
+      for ids in got:
+        np.testing.assert_array_equal(ids, want, err_msg=f"{cu} {used}")
 
 
 def test_eager_flash_mha_varlen_checks_its_promise_on_host_ids(monkeypatch):
@@ -292,5 +292,6 @@ def test_eager_flash_mha_varlen_checks_its_promise_on_host_ids(monkeypatch):
   seen.clear()
   jitted = jax.jit(lambda x, cu: flashjax.flash_mha_varlen(
       x, x, x, cu, cu, 5, 5, is_causal=True))(x, cu)
-  assert all(issubclass(t, jax.core.Tracer) for types in seen for t in types), seen
+  assert seen and all(issubclass(t, jax.core.Tracer) for types in seen
+                      for t in types), seen
   np.testing.assert_allclose(eager, jitted, rtol=1e-6, atol=1e-6)
