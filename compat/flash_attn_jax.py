@@ -13,6 +13,12 @@ import numpy as np
 from .. import api
 
 
+def _concrete(*xs) -> bool:
+  """Whether none of ``xs`` is traced (None counts as concrete): such offsets
+  can be read on the host."""
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
 def _window_pair(window_size) -> tuple:
   """flash-attn's ``window_size``: a ``(left, right)`` pair, -1 = unbounded."""
   if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -66,12 +72,12 @@ def _cu_to_ids(cu, total, pad_id, used=None):
   From concrete offsets the ids are computed on the host: an eager call then
   neither runs a dozen small device computations for them nor waits for the
   ids' copy back when the promise of contiguous segments is checked."""
-  concrete = not any(isinstance(x, jax.core.Tracer) for x in (cu, used))
+  concrete = _concrete(cu, used)
   xp = np if concrete else jnp
   if concrete:
     cu, used = np.asarray(cu), None if used is None else np.asarray(used)
   _, s, real = _rows(cu, total, used, xp)
-  return xp.where(real, s.astype(np.int32), np.int32(pad_id)).astype(np.int32)
+  return xp.where(real, s.astype(np.int32), np.int32(pad_id))
 
 
 def _end_aligned_layout(cu_q, cu_k, total_q, total_k, used_k=None):
@@ -121,7 +127,7 @@ def _queries_fit_keys(cu_q, cu_k, used_k=None, xp=jnp):
 def _check_offsets(name, cu, total):
   """``ValueError`` unless concrete offsets ``cu`` start at 0, never decrease and
   end at most at ``total``; traced offsets pass unchecked (see flash_mha_varlen)."""
-  if isinstance(cu, jax.core.Tracer):
+  if not _concrete(cu):
     return
   offsets = np.asarray(cu)
   if offsets.size == 0 or offsets[0] != 0:
@@ -141,7 +147,7 @@ def _check_used(seqused_k, cu_k):
       seqused_k.dtype, jnp.integer):
     raise ValueError(f"seqused_k must be a 1-D int array of {n} key counts (one per "
                      f"sequence), got {getattr(seqused_k, 'shape', seqused_k)}")
-  if isinstance(seqused_k, jax.core.Tracer) or isinstance(cu_k, jax.core.Tracer):
+  if not _concrete(seqused_k, cu_k):
     return
   used, lens = np.asarray(seqused_k), np.diff(np.asarray(cu_k))
   if np.any(used < 0) or np.any(used > lens):
@@ -260,7 +266,7 @@ def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   if not banded or cu_seqlens_q is cu_seqlens_k and seqused_k is None:
     return packed(q, k, v)
   offsets = (cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
-  if not any(isinstance(x, jax.core.Tracer) for x in offsets):
+  if _concrete(*offsets):
     if (q.shape[0] == k.shape[0] and seqused_k is None and
         np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))):
       return packed(q, k, v)
