@@ -43,6 +43,7 @@ from . import epilogue
 from . import rows as rows_lib
 from .compat import vary_like, varying_axes
 from .mask import Band
+from .platform import traced_once
 from .spec import AttentionSpec, Operands
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -539,7 +540,7 @@ def forward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec):
     for rows, keys, band in calls:
       sub, hs = ring.operands(ops, kv, at, rows, keys), hop_spec(spec, band)
       fwd, _, config = kernel(rows_lib.materialize(sub), hs)
-      out, lse = fwd(*call_args(fwd, sub), hs, config)
+      out, lse = traced_once(fwd)(*call_args(fwd, sub), hs, config)
       parts.append((rows, (out, lse.astype(f32))))
     # Calls over some chunks' rows: merged chunk by chunk, then concatenated.
     out, lse = ring.by_chunks(
@@ -598,7 +599,7 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
       _, bwd, config = kernel(rows_lib.materialize(sub), hs)
       window = lambda x: ring.q_rows(rows_lib.Rows.of(x), rows)
       sub, o, d = call_args(bwd, sub, window(out), window(do))
-      g = bwd(sub, hs, config, o, ring.q_rows(lse, rows, 2), d,
+      g = traced_once(bwd)(sub, hs, config, o, ring.q_rows(lse, rows, 2), d,
               ring.q_rows(dlse, rows, 2))
       dq = add(dq, g.q, rows, ring.cq)
       dkv.append((keys, (g.k, g.v)))

@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from . import compat, partition
+from .platform import traced_once
 from .spec import AttentionSpec, Operands
 from .tangent import attention_tangent
 
@@ -72,6 +73,7 @@ def _first_order_only(fn):
 
 def _run_forward(static, ops):
   forward, _, spec, config, per_shard = static
+  forward = traced_once(forward)
   if per_shard:
     return partition.forward(forward, ops, spec, config)
   return forward(ops, spec, config)
@@ -79,6 +81,7 @@ def _run_forward(static, ops):
 
 def _run_backward(static, ops, out, lse, do, dlse):
   _, backward, spec, config, per_shard = static
+  backward = traced_once(backward)
   if per_shard:
     return partition.backward(backward, ops, spec, config, out, lse, do, dlse)
   return backward(ops, spec, config, out, lse, do, dlse)

@@ -88,3 +88,57 @@ def test_entry_runs_the_contract_and_names_the_platform_in_errors():
 
   with pytest.raises(vjp.SecondOrderError, match="^second order$"):
     platform.entry("nowhere", second, caps)(q, k, v)
+
+
+
+CHAIN = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import flashjax
+
+ring = {ring}
+if ring:
+  mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+  attend = jax.shard_map(
+      lambda q, k, v: flashjax.ring_attention(q, k, v, axis_name="seq",
+                                              layout="zigzag", causal=True,
+                                              platform="xla"),
+      mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"),
+      check_vma=False)
+else:
+  attend = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=True,
+                                                    platform="xla")
+
+def size(layers):
+  def loss(q, k, v):
+    for _ in range(layers):
+      q = attend(q, k, v)
+    return jnp.sum(q)
+  x = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+  return len(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).as_text())
+
+print(size(1), size(4))
+"""
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_chained_calls_lower_each_kernel_once(ring):
+  # platform.traced_once: a platform's forward and backward are lowered once
+  # per distinct call, so the text of a program of many layers (or of a ring's
+  # repeated hops) does not grow with them. Inline, four layers were four
+  # copies. The ring needs two devices: its own process.
+  import subprocess
+  import sys
+  from flashjax.common.env import cpu_devices_env
+  proc = subprocess.run([sys.executable, "-c", CHAIN.format(ring=ring)],
+                        env=cpu_devices_env(2), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  one, four = (int(x) for x in proc.stdout.split())
+  assert four < 1.3 * one, (one, four)
+
+
+def test_traced_once_keeps_one_jitted_function_per_platform_function():
+  f = lambda ops, spec, static: ops
+  assert platform.traced_once(f) is platform.traced_once(f)
+  assert platform.traced_once(f)(jnp.ones(2), "spec", ("static",)).shape == (2,)
