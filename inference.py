@@ -27,6 +27,7 @@ from . import registry
 from .api import detect_backend
 from .common import hardware
 from .common import kvcache as kv
+from .common.platform import traced_once
 
 
 def _platform(backend: str, platform: str | None, spec: kv.KvCacheSpec,
@@ -134,17 +135,19 @@ def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
       sinks=sinks, num_splits=num_splits, return_lse=return_softmax_lse)
   name = _platform(detect_backend(backend, q), platform, spec, interpret)
   prep = kv.prepare(ops, spec)
+  # Each kernel lowers once per program, however many layers call it.
   if name == "pallas-tpu":
     from . import pallas_tpu
-    out, lse = pallas_tpu.kvcache_attention(prep, ops.sinks, spec, config,
-                                            interpret=interpret)
+    out, lse = traced_once(pallas_tpu.kvcache_attention, (2, 3), ("interpret",))(
+        prep, ops.sinks, spec, config, interpret=interpret)
   elif name == "pallas-triton":
     from .pallas_gpu.triton import kvcache as triton_kvcache
-    out, lse = triton_kvcache.attention(prep, ops.sinks, spec, config,
-                                        hardware.num_sms(), interpret=interpret)
+    out, lse = traced_once(triton_kvcache.attention, (2, 3, 4), ("interpret",))(
+        prep, ops.sinks, spec, config, hardware.num_sms(), interpret=interpret)
   else:
     from .xla_cpu import kvcache as xla_kvcache
-    out, lse = xla_kvcache.attention(prep, ops.sinks, spec, config)
+    out, lse = traced_once(xla_kvcache.attention, (2, 3))(prep, ops.sinks, spec,
+                                                          config)
   result = (out, lse) if return_softmax_lse else (out,)
   if return_updated_cache:
     result += (prep.k_cache, prep.v_cache)

@@ -141,14 +141,15 @@ def entry(name: str, attention_from_operands, capabilities: Capabilities):
 
 
 @functools.lru_cache(maxsize=256)
-def traced_once(fn):
-  """The platform function ``fn(ops, spec, static, ...)`` under ``jax.jit`` with
-  ``spec`` and ``static`` static, so that a program lowers each distinct kernel
-  call once, however often it makes it: a model's layers, a ring's hops and
-  chained ring calls. ``fn`` should be a module-level function (one jitted
-  function per ``fn``). Called inline, every call lowered its kernels anew: on
-  two H200s (2026-11-28) sixteen chained Mosaic-GPU calls (forward+backward)
-  took 86.8 s to trace, lower and compile against 8.8 s under ``jit``, and
-  four chained zigzag rings 59.1 s against 15.4 s. XLA inlines the calls when
-  it compiles, so the same kernels run (times per call within 0.5%)."""
-  return jax.jit(fn, static_argnums=(1, 2))
+def traced_once(fn, static_argnums=(1, 2), static_argnames=()):
+  """``fn`` under ``jax.jit`` with the named arguments static (by default a
+  platform function's ``spec`` and ``static``: ``fn(ops, spec, static, ...)``),
+  so that a program lowers each distinct kernel call once, however often it
+  makes it: a model's layers, a ring's hops, chained ring calls, a decode
+  step's layers. ``fn`` should be a module-level function (one jitted function
+  per ``fn``). Called inline, every call lowered its kernels anew: on two H200s
+  (2026-11-28) sixteen chained Mosaic-GPU calls (forward+backward) took 86.8 s
+  to trace, lower and compile against 8.8 s under ``jit``, and four chained
+  zigzag rings 59.1 s against 15.4 s. XLA inlines the calls when it compiles,
+  so the same kernels run (times per call within 0.5%)."""
+  return jax.jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)

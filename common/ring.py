@@ -600,7 +600,7 @@ def backward(kernel, plan: RingPlan, ops: Operands, spec: AttentionSpec, out, ls
       window = lambda x: ring.q_rows(rows_lib.Rows.of(x), rows)
       sub, o, d = call_args(bwd, sub, window(out), window(do))
       g = traced_once(bwd)(sub, hs, config, o, ring.q_rows(lse, rows, 2), d,
-              ring.q_rows(dlse, rows, 2))
+                           ring.q_rows(dlse, rows, 2))
       dq = add(dq, g.q, rows, ring.cq)
       dkv.append((keys, (g.k, g.v)))
       if dbias is not None:

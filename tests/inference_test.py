@@ -3,6 +3,8 @@ numbers are the conformance suite's: common/conformance_kvcache.py)."""
 
 import logging
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -97,3 +99,23 @@ def test_return_forms():
   # The appended keys differ from what the slots held before.
   assert not np.array_equal(np.asarray(k_cache), np.asarray(a["k_cache"]),
                             equal_nan=True)
+
+
+def test_chained_decode_layers_lower_the_kernel_once():
+  # common.platform.traced_once: a decode step of many layers lowers its kernel
+  # once; inline, four layers lowered four copies.
+  q = jax.ShapeDtypeStruct((2, 1, 4, 16), jnp.float32)
+  cache = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32)
+  seqlens = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def size(layers):
+    def step(q, k_cache, v_cache, cache_seqlens):
+      for _ in range(layers):
+        q = flashjax.flash_mha_with_kvcache(q, k_cache, v_cache,
+                                            cache_seqlens=cache_seqlens,
+                                            is_causal=True, platform="xla")
+      return q
+    return len(jax.jit(step).lower(q, cache, cache, seqlens).as_text())
+
+  one, four = size(1), size(4)
+  assert four < 1.3 * one, (one, four)

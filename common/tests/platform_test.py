@@ -90,7 +90,6 @@ def test_entry_runs_the_contract_and_names_the_platform_in_errors():
     platform.entry("nowhere", second, caps)(q, k, v)
 
 
-
 CHAIN = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
