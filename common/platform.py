@@ -151,5 +151,7 @@ def traced_once(fn, static_argnums=(1, 2), static_argnames=()):
   (2026-11-28) sixteen chained Mosaic-GPU calls (forward+backward) took 86.8 s
   to trace, lower and compile against 8.8 s under ``jit``, and four chained
   zigzag rings 59.1 s against 15.4 s. XLA inlines the calls when it compiles,
-  so the same kernels run (times per call within 0.5%)."""
+  so the same kernels run (times per call within 0.5%). An eager call is one
+  cached program instead of op-by-op dispatch: the xla platform's causal B1
+  S256 H4 D64 forward took 1.7 against 540 ms per call on the 2-core CPU VM."""
   return jax.jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
