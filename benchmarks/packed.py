@@ -69,8 +69,9 @@ class WithOperands:
 
 
 def operands(fn) -> tuple:
-  """The arguments a built implementation takes after ``(q, k, v, causal)``."""
-  return fn.operands if isinstance(fn, WithOperands) else ()
+  """The arguments a built implementation takes after ``(q, k, v, causal)``
+  (:class:`WithOperands`, features.WithFeature)."""
+  return getattr(fn, "operands", ())
 
 
 def _with_segment_ids(fn, shape: Shape, **kw):

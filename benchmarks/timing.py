@@ -12,7 +12,7 @@ from flashjax.common.timer import time_interleaved_ms, time_ms
 from flashjax.common.mask import Band
 from flashjax.common.shapes import Shape
 
-from . import dropout, packed
+from . import features, packed
 
 # "jvp" times the whole jax.jvp call (the primal forward and its tangent), to set
 # against "fwd".
@@ -59,14 +59,17 @@ def random_inputs(shape: Shape, dtype, seed: int = 0, max_seq: int | None = None
 def functions(fn, causal: bool):
   """Jitted forward ``(q, k, v, *operands)`` and forward+backward ``(q, k, v, do,
   *operands)`` of ``fn``, with ``packed.operands(fn)`` (a packed row's ids or
-  offsets) as arguments."""
+  offsets, a feature shape's mask or bias) as arguments."""
   fwd = jax.jit(lambda q, k, v, *ops: fn(q, k, v, causal, *ops))
 
   def loss(q, k, v, do, *ops):
     return jnp.sum(fn(q, k, v, causal, *ops).astype(jnp.float32) *
                    do.astype(jnp.float32))
 
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  # A trained operand (a benchmark bias) is differentiated too.
+  trained = tuple(range(4, 4 + len(packed.operands(fn)))) if getattr(
+      fn, "grad", False) else ()
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2) + trained))
   return fwd, fwd_bwd
 
 
@@ -120,7 +123,7 @@ def check(fn, shape: Shape, dtype) -> str:
   max_seq = None if shape.documents else 512
   q, k, v, _ = random_inputs(shape, dtype, seed=1, max_seq=max_seq, batch=1,
                              heads=heads)
-  kw = dropout.kwargs(shape)
+  kw = features.kwargs(shape, *features.operands(shape, q, k))
   if shape.documents:
     ids = jnp.asarray(packed.segment_ids(shape))
     kw = dict(segment_ids=(ids, ids))
@@ -174,14 +177,14 @@ def run_shape(fns: dict, shape: Shape, dtype, directions, *, iters, repeats):
   status, compiled, calls = {}, {}, {}
   if shape.documents:  # packed row: packed, batched and varlen variants
     builders, small = packed.variants(fns), packed.check_shape(shape)
-  elif shape.dropout_rate:  # each flashjax implementation with and without it
-    builders, small = dropout.variants(fns), shape
+  elif features.feature(shape):  # each flashjax implementation with and without it
+    builders, small = features.variants(fns, shape, q, k), shape
   else:
     builders, small = {n: (lambda s, fn=fn: fn) for n, fn in fns.items()}, shape
   fns = {}
   for name, build in builders.items():
     try:
-      status[name] = check(build(small), dropout.check_shape(name, small), dtype)
+      status[name] = check(build(small), features.check_shape(name, small), dtype)
       fns[name] = build(shape)
     except Exception as e:  # a variant whose entry does not import
       status[name], fns[name] = error_status(e), None

@@ -22,15 +22,22 @@ class Shape:
   # per row; benchmarks/kvcache.py): 0 = a contiguous cache, n > 0 = pages of n
   # positions; None = not a cache shape.
   page_size: int | None = None
-  # Dropout on the probabilities (benchmarks/dropout.py runs each flashjax
-  # implementation with it and without it); 0 = none.
+  # One feature of the call, which benchmarks/features.py runs with and without:
+  # dropout on the probabilities (0 = none), a dense random mask, or a bias
+  # broadcast over the batch and differentiated.
   dropout_rate: float = 0.0
+  mask: bool = False
+  bias: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
-    if self.dropout_rate and (self.documents or self.page_size is not None):
-      raise ValueError("dropout_rate is for plain shapes: packed and KV-cache shapes "
+    named = [n for n, on in (("dropout_rate", self.dropout_rate), ("mask", self.mask),
+                             ("bias", self.bias)) if on]
+    if len(named) > 1:
+      raise ValueError(f"a shape has one feature, got {' and '.join(named)}")
+    if named and (self.documents or self.page_size is not None):
+      raise ValueError(f"{named[0]} is for plain shapes: packed and KV-cache shapes "
                        "run their own variants without it")
     p = self.page_size
     if p is not None and (p < 0 or p and self.seq_k % p):
@@ -86,16 +93,17 @@ MIXED_16K = (8192, 64, 2048, 512, 128, 4096, 1024, 256, 64)
 
 
 def _training(tokens=16384, heads=16, head_dim=128, seqs=(2048, 8192, 16384),
-              dropout_rate=0.0):
+              dropout_rate=0.0, mask=False, bias=False):
   out = []
   for causal in (False, True):
     for s in seqs:
       out.append(Shape(name=f"B{tokens // s}-S{s // 1024}k-H{heads}-D{head_dim}"
                        + ("-causal" if causal else "")
-                       + (f"-dropout{dropout_rate:g}" if dropout_rate else ""),
+                       + (f"-dropout{dropout_rate:g}" if dropout_rate else "")
+                       + ("-mask" if mask else "") + ("-bias" if bias else ""),
                        batch=tokens // s, seq_q=s, seq_k=s, heads_q=heads,
                        heads_kv=heads, head_dim=head_dim, causal=causal,
-                       dropout_rate=dropout_rate))
+                       dropout_rate=dropout_rate, mask=mask, bias=bias))
   return tuple(out)
 
 
@@ -103,9 +111,12 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     # The standard training set (as in FlashAttention-2/3's benchmarks): B*S = 16k
     # tokens, H = 16, D = 128.
     "standard": _training(),
-    # The standard set's short and middle columns with dropout 0.1: each flashjax
-    # implementation with and without it (benchmarks/dropout.py).
+    # The standard set's short and middle columns with dropout 0.1, a dense
+    # [B, 1, S, S] mask (90% kept) or a trained [1, H, S, S] bias: each flashjax
+    # implementation with and without it (benchmarks/features.py).
     "dropout": _training(seqs=(2048, 8192), dropout_rate=0.1),
+    "mask": _training(seqs=(2048, 8192), mask=True),
+    "bias": _training(seqs=(2048, 8192), bias=True),
     "head_dim": tuple(
         Shape(name=f"B2-S8k-H{2048 // d}-D{d}" + ("-causal" if c else ""),
               batch=2, seq_q=8192, seq_k=8192, heads_q=2048 // d,

@@ -330,6 +330,49 @@ def test_dropout_set_runs_each_flashjax_call_with_and_without_dropout():
   assert rows[0].status.startswith("WRONG"), rows[0]
 
 
+@pytest.mark.parametrize("what", ["mask", "bias"])
+def test_mask_and_bias_sets_run_each_flashjax_call_with_and_without(what):
+  """The mask and bias sets' rule at tiny size: the flashjax call takes the
+  shape's mask or bias as an argument of the timed program (a bias
+  differentiated too) and is checked against the reference with it; a call
+  that ignores it is flagged, not timed."""
+  import dataclasses
+  from flashjax.benchmarks import features, packed
+  assert all(getattr(s, what) and s.name.endswith("-" + what) for s in get(what))
+  with pytest.raises(ValueError, match="one feature"):
+    dataclasses.replace(SMALL, mask=True, dropout_rate=0.1)
+  with pytest.raises(ValueError, match="plain shapes"):
+    dataclasses.replace(SMALL, bias=True, documents=(128, 128))
+  xla = impls.IMPLS["xla"].build()
+  shape = dataclasses.replace(SMALL, causal=True, **{what: True})
+  peer = lambda q, k, v, causal: xla(q, k, v, causal)
+  rows = timing.run_shape({"xla": xla, "jax-xla": peer}, shape, jnp.float32,
+                          ["fwd", "bwd"], iters=1, repeats=1)
+  by = {(r.impl, r.direction): r for r in rows}
+  assert [r.impl for r in rows[::2]] == ["xla", f"xla[no {what}]", "jax-xla"]
+  for name in ("xla", f"xla[no {what}]"):
+    assert by[(name, "fwd")].status == "ok" and by[(name, "bwd")].ms > 0, by
+  assert f"no {what}" in by[("jax-xla", "fwd")].status
+  # The operand is a parameter of the programs; the bias is differentiated.
+  q, k, v, do = timing.random_inputs(shape, jnp.float32)
+  fn = features.variants({"xla": xla}, shape, q, k)["xla"](shape)
+  (op,) = packed.operands(fn)
+  want = (1, 2, 256, 256) if what == "bias" else (1, 1, 256, 256)
+  assert op.shape == want and (op.dtype == jnp.bool_) == (what == "mask")
+  assert 0.8 < float(jnp.mean(op)) < 0.95 if what == "mask" else float(jnp.std(op)) > 0.5
+  fwd, fwd_bwd = timing.functions(fn, True)
+  main = next(line for line in fwd.lower(q, k, v, op).as_text().splitlines()
+              if "@main(" in line)
+  assert "%arg3" in main, main
+  grads = fwd_bwd(q, k, v, do, op)
+  assert len(grads) == (4 if what == "bias" else 3)
+  assert float(jnp.abs(grads[-1]).max()) > 0
+  # A flashjax call that ignores the feature is flagged, not timed.
+  rows = timing.run_shape({"xla": lambda q, k, v, causal, **kw: xla(q, k, v, causal)},
+                          shape, jnp.float32, ["fwd"], iters=1, repeats=1)
+  assert rows[0].status.startswith("WRONG"), rows[0]
+
+
 def test_cli_times_forward_mode_against_the_forward(tmp_path, capsys, monkeypatch):
   from flashjax.common import shapes
   monkeypatch.setitem(shapes.SHAPE_SETS, "small", (SMALL,))
