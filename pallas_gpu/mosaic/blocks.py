@@ -118,11 +118,14 @@ class Geometry:
     return self.seq_k_padded // (self.blocks_per_cta * self.block_kv)
 
 
-def additive_tiling(dtype):
-  """Shared-memory transforms of an additive (bias / mask) tile: 128-byte
-  swizzled rows of 64 two-byte or 32 four-byte elements."""
-  item = jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
+def additive_tiling(dtype, width: int):
+  """Shared-memory transforms of an additive (bias / mask) tile ``width``
+  elements wide: swizzled rows of up to 128 bytes (128 one-byte, 64 two-byte or
+  32 four-byte elements); a narrower tile's whole rows (64 one-byte elements:
+  64 bytes)."""
+  row = min(width * jnp.dtype(dtype).itemsize, 128)
+  return (plgpu.TilingTransform((8, row // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(row))
 
 
 def _window(ref, at, batch: int, rows: int):

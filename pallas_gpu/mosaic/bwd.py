@@ -81,8 +81,6 @@ def _probs(scores, lse2, g: Geometry, bias=None):
   broadcast) and the additive tile ``bias`` (or None), logits being ``scale *
   s + bias`` soft-capped as in the forward; and tanh of the soft cap for the
   chain rule (or None)."""
-  if bias is not None:
-    bias = bias.astype(jnp.float32)
   if g.soft_cap is None:
     if bias is None:
       return jnp.exp2(scores * (g.softmax_scale * LOG2E) - lse2), None
@@ -826,7 +824,7 @@ def _dq_program(g: Geometry, dtype):
     smem, bars = smem + (tile_smem,), bars + (tile_bars,)
     if g.bias_grad:  # one dS stage per warpgroup
       smem += (plgpu.SMEM((2, bq, bk), ds_dtype(g),
-                          transforms=additive_tiling(ds_dtype(g))),)
+                          transforms=additive_tiling(ds_dtype(g), bk)),)
   return (smem, bars, _free(stages)) + pipeline.segment_scoped(g, bq, bk), kernel
 
 

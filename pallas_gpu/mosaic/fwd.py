@@ -49,10 +49,11 @@ about 14 us per call, both forms in one kernel a forward 0.81-0.96x;
 docs/reports/2026-11-27-h200-segment-spans.md).
 
 Bias and dense mask (``Geometry.bias_dtype``): one additive tile ``[B|1, H|1, Sqp,
-Skp]`` (the bias plus 0 / -inf for the mask, built in XLA), copied per step with
-K, ``block_q`` rows by ``block_kv`` keys per warpgroup, each on its own barrier;
-each warpgroup reads its tile into registers before K is released and adds it to the scaled
-logits, so every step guards rows that are still all -inf.
+Skp]`` (the bias plus 0 / -inf for the mask, built in XLA; a mask alone in
+float8_e5m2), copied per step with K, ``block_q`` rows by ``block_kv`` keys per
+warpgroup, each on its own barrier; each warpgroup reads its tile into
+registers while its QK^T product runs and adds it to the scaled logits, so every
+step guards rows that are still all -inf.
 
 Dropout (``Geometry.dropout_rate``): each warpgroup hashes its rows' keys
 (common/dropout.row_key) once per tile and each step's key terms once per
@@ -181,12 +182,13 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
           col_keys = dropout_col_keys(seed_ref, positions(bk, 1, s * bk))
           return jnp.where(dropout_keep(g, row_keys, col_keys, 0), p, 0.0)
 
-        def bias_tile(slot, load=True):
-          """This warpgroup's rows of the slot's additive tile (fp32 logits units
-          of the input), waited for by every step; None without one."""
+        def bias_tile(slot, load=True, raw=False):
+          """This warpgroup's rows of the slot's additive tile (as stored with
+          ``raw``, else fp32 logits units of the input), waited for by every
+          step; None without one."""
           if g.bias_dtype is None:
             return None
-          return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load)
+          return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load, raw)
 
         def kv_ids(slot, load):
           """The slot's kv ids, read before K's slot is released."""
@@ -217,12 +219,16 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
 
           def qk_product(acc_ref):
             plgpu.wgmma(acc_ref, my_q, compat.transpose_ref(k_smem.at[slot], (1, 0)))
+            # The additive tile is read while QK^T runs: read after it, a
+            # 128-key mask tile made causal forwards 1.24-1.29x slower (H200,
+            # 2026-11-28, docs/reports/2026-11-28-h200-mask-tile.md).
+            raw = bias_tile(slot, raw=True)
             rendezvous()
-            return acc_ref[...]
+            return acc_ref[...], raw
 
-          s2 = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+          s2, raw = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
           k_ids = kv_ids(slot, masked)
-          tile_bias = bias_tile(slot)
+          tile_bias = None if raw is None else pipeline.tile_logits(raw)
           plgpu.barrier_arrive(k_free.at[slot])
           # Logits are scale * s + bias, then soft-capped (the contract's order).
           if g.soft_cap is not None:
@@ -230,10 +236,10 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
             if tile_bias is None:
               x = s2 * (g.softmax_scale / cap)
             else:
-              x = (s2 * g.softmax_scale + tile_bias.astype(jnp.float32)) * (1.0 / cap)
+              x = (s2 * g.softmax_scale + tile_bias) * (1.0 / cap)
             s2, mult = jnp.tanh(x) * (cap * LOG2E), 1.0
           elif tile_bias is not None:
-            s2, mult = s2 * scale2 + tile_bias.astype(jnp.float32) * LOG2E, 1.0
+            s2, mult = s2 * scale2 + tile_bias * LOG2E, 1.0
           else:
             # The scale rides in the exp2 argument (one FMA per element); the row
             # max commutes with a positive scale.

@@ -5,9 +5,10 @@ dK/dV kernels of bwd.py (above head dim 128 with the two compute warpgroups of
 a CTA sharing one block in roles), on this forward's output and lse. Segment
 ids narrow every kernel's walk to the blocks the ids leave visible
 (common/segments.py). A bias or dense mask over whole ``[Sq, Sk]`` slices runs
-as one additive tile (head dims up to 128): the forward streams it with K
-(64-key blocks), the dQ kernel too, writing dS for dbias, and the dK/dV kernel
-its transpose with Q; an fp32 bias, whose tile stays fp32, takes
+as one additive tile (head dims up to 128; a mask alone as float8 0 / -inf):
+the forward streams it with K (64-key blocks beside a bias, 128-key beside a
+mask alone), the dQ kernel too, writing dS for dbias, and the dK/dV kernel its
+transpose with Q; an fp32 bias, whose tile stays fp32, takes
 Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
 global coordinates of its tiles with common/dropout.py (the backward's row
 keys come with the row stats). Features the kernels lack (fp32, a bias or
@@ -30,9 +31,10 @@ from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
 from .blocks import Geometry, dropout_key_halves, dropout_row_keys
-from .config import (BALANCED_MAX_KEYS, BIAS_FORWARD, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
+from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      OWN_BLOCK_BWD_MAX_HEAD_DIM, PACKED_BALANCED_MAX_KEYS, MosaicConfig,
-                     MosaicDkv, MosaicDq, MosaicForward, backward_tiles_error,
+                     MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
+                     backward_tiles_error,
                      default_config, has_additive_tile, padded_head_dim,
                      uses_mosaic_backward)
 
@@ -121,8 +123,12 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
 
 
 def _tile_dtype(ops):
-  """The additive tile's dtype: an fp32 bias's, else the inputs'."""
-  if ops.bias is not None and ops.bias.dtype == jnp.float32:
+  """The additive tile's dtype: an fp32 bias's; a mask alone's float8_e5m2,
+  which holds 0 and -inf exactly in half a bf16 tile's bytes; else the
+  inputs'."""
+  if ops.bias is None:
+    return jnp.dtype(jnp.float8_e5m2)
+  if ops.bias.dtype == jnp.float32:
     return jnp.dtype(jnp.float32)
   return ops.q.dtype
 
@@ -306,15 +312,18 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   explicit = config is not None
   config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
   tiles = lambda c: (c.block_kv, c.num_stages)
-  if has_additive_tile(spec) and tiles(config.fwd) != tiles(BIAS_FORWARD):
+  fits = additive_forwards(spec)
+  if fits and tiles(config.fwd) not in [tiles(f) for f in fits]:
     if explicit:
-      raise ValueError(f"with a bias or mask, fwd.block_kv must be "
-                       f"{BIAS_FORWARD.block_kv} and fwd.num_stages "
-                       f"{BIAS_FORWARD.num_stages} (the additive tile shares shared "
-                       f"memory with the K/V ring), got fwd.block_kv="
-                       f"{config.fwd.block_kv}, fwd.num_stages={config.fwd.num_stages}")
-    config = configs.with_part(config, "fwd", block_kv=BIAS_FORWARD.block_kv,
-                               num_stages=BIAS_FORWARD.num_stages)
+      what = "a bias" if spec.bias_shape is not None else "a mask"
+      allowed = " or ".join(f"fwd.block_kv={f.block_kv}, fwd.num_stages="
+                            f"{f.num_stages}" for f in fits)
+      raise ValueError(f"with {what}, the forward's tiles must be {allowed} (the "
+                       f"additive tile shares shared memory with the K/V ring), got "
+                       f"fwd.block_kv={config.fwd.block_kv}, fwd.num_stages="
+                       f"{config.fwd.num_stages}")
+    config = configs.with_part(config, "fwd", block_kv=fits[0].block_kv,
+                               num_stages=fits[0].num_stages)
   if uses_mosaic_backward(spec, config) and backward_tiles_error(spec, config):
     if explicit:
       raise ValueError(backward_tiles_error(spec, config))

@@ -84,7 +84,7 @@ def tile_slots(dtype, stages: int, own: int, streamed: int):
   dQ; keys by rows, transposed, in dK/dV), and one barrier per stage and
   warpgroup."""
   return (plgpu.SMEM((stages, 2, own, streamed), jnp.dtype(dtype),
-                     transforms=additive_tiling(dtype)),
+                     transforms=additive_tiling(dtype, streamed)),
           plgpu.Barrier(num_barriers=2 * stages))
 
 
@@ -104,12 +104,24 @@ def with_tile(load, g, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
   return load_both
 
 
-def slot_tile(smem, bars, slot, wg, load: bool = True):
+def slot_tile(smem, bars, slot, wg, load: bool = True, raw: bool = False):
   """Warpgroup ``wg``'s additive tile of ring slot ``slot`` (:func:`tile_slots`)
-  in registers, or None without ``load``. Every step waits, so the barriers'
-  phases stay in step."""
+  in registers, as stored with ``raw`` (for :func:`tile_logits` later), else
+  as fp32; None without ``load``. Every step waits, so the barriers' phases
+  stay in step."""
   plgpu.barrier_wait(bars.at[2 * slot + wg])
-  return compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA) if load else None
+  if not load:
+    return None
+  tile = compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA)
+  return tile if raw else tile_logits(tile)
+
+
+def tile_logits(tile):
+  """An additive tile in registers as fp32 logits."""
+  if jnp.dtype(tile.dtype).itemsize == 1:
+    # Mosaic-GPU converts 8-bit floats to 16-bit ones only (cvt.f16x2.e5m2x2).
+    tile = tile.astype(jnp.float16)
+  return tile.astype(jnp.float32)
 
 
 def slot_ids(bar, smem, slot, layout, load: bool = True):

@@ -363,6 +363,93 @@ def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
     assert mosaic_bwd._ds_type(g)[0].dtype == want
 
 
+def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
+  """A mask alone rides as float8_e5m2 0 / -inf (exact, half a bf16 tile's
+  bytes), which leaves shared memory for 128-key forward blocks (the default;
+  64-key ones allowed); a bias keeps its dtype and 64-key blocks."""
+  from flashjax.pallas_gpu.mosaic import config as mosaic_config
+  sd = jax.ShapeDtypeStruct
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (2, 200, 2, 64), jnp.bfloat16)
+  mask = jax.random.bernoulli(keys[1], 0.7, (2, 1, 200, 200))
+  bias = jax.random.normal(keys[2], (1, 2, 200, 200), jnp.float32)
+  for kw, want in ((dict(mask=mask), jnp.float8_e5m2),
+                   (dict(mask=mask, bias=bias.astype(jnp.bfloat16)), jnp.bfloat16),
+                   (dict(bias=bias), jnp.float32)):
+    ops, spec = spec_lib.canonicalize(q, q, q, **kw)
+    g, tile = mosaic.additive_tile(ops, spec, mosaic.geometry(spec, mosaic.default_config(spec)))
+    assert tile.dtype == want and g.bias_dtype == jnp.dtype(want).name
+    assert tile.shape == (tile.shape[0], tile.shape[1], g.seq_q_padded, g.seq_k_padded)
+    got = np.asarray(tile[:, :, :200, :200], np.float32)
+    want_tile = np.zeros(got.shape, np.float32)
+    if "mask" in kw:
+      want_tile = want_tile + np.where(np.asarray(mask), 0.0, -np.inf)
+    if "bias" in kw:
+      want_tile = want_tile + np.asarray(kw["bias"], np.float32)
+    if "bias" not in kw:
+      np.testing.assert_array_equal(got, want_tile)
+    else:
+      np.testing.assert_allclose(got, want_tile, rtol=1e-2)
+  spec = lambda **kw: spec_lib.abstract_spec(batch=1, seq_q=256, seq_k=256, heads_q=2,
+                                             head_dim=128, **kw)
+  m = sd((1, 1, 256, 256), jnp.bool_)
+  b = sd((1, 2, 256, 256), jnp.bfloat16)
+  tiles = lambda s: [(f.block_kv, f.num_stages) for f in mosaic_config.additive_forwards(s)]
+  assert tiles(spec(mask=m)) == [(128, 2), (64, 2)]
+  assert tiles(spec(mask=m, causal=True)) == [(128, 2), (64, 2)]
+  assert tiles(spec(bias=b)) == tiles(spec(bias=b, mask=m)) == [(64, 2)]
+  assert tiles(spec()) == []
+  for s in (spec(mask=m), spec(mask=m, causal=True), spec(bias=b)):
+    assert (mosaic.default_config(s).fwd.block_kv,) == (tiles(s)[0][0],)
+  # Beside 128-key blocks and a float8 tile the output is staged in Q's buffer.
+  g = dataclasses.replace(mosaic.geometry(spec(mask=m), mosaic.default_config(spec(mask=m))),
+                          bias_dtype="float8_e5m2")
+  from flashjax.pallas_gpu.mosaic import fwd as mosaic_fwd
+  assert g.block_kv == 128 and not mosaic_fwd.separate_out_smem(g)
+  assert mosaic_fwd.separate_out_smem(dataclasses.replace(g, block_kv=64))
+  # Swizzled rows of the tile: up to 128 bytes, a 64-key float8 row's 64.
+  swz = lambda dtype, width: [(t.tiling if hasattr(t, "tiling") else t.swizzle)
+                              for t in mosaic_blocks.additive_tiling(dtype, width)]
+  assert swz(jnp.float8_e5m2, 64) == [(8, 64), 64]
+  assert swz(jnp.float8_e5m2, 128) == [(8, 128), 128]
+  assert swz(jnp.bfloat16, 64) == [(8, 64), 128]
+  assert swz(jnp.float32, 64) == [(8, 32), 128]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_mask_forward_tiles_match_the_reference(causal):
+  """A mask alone: the forward with either tile it allows (128 or 64 keys
+  beside the float8 tile) and the backward give the reference's output, lse
+  and gradients; other tiles raise, naming the allowed ones."""
+  from flashjax.common import reference
+  keys = jax.random.split(jax.random.key(5), 5)
+  q = jax.random.normal(keys[0], (2, 320, 2, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(x, (2, 448, 2, 128), jnp.bfloat16) for x in keys[1:3])
+  do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+  mask = jax.random.bernoulli(keys[4], 0.8, (2, 1, 320, 448))
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(jnp.float32) *
+                                           do.astype(jnp.float32))
+  ref = lambda q, k, v: reference.attention(q, k, v, mask=mask, causal=causal,
+                                            return_lse=True)
+  want = ref(q, k, v)
+  want_grads = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  for block_kv in (128, 64):
+    cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=block_kv))
+    f = lambda q, k, v: mosaic.flash_attention(q, k, v, mask=mask, causal=causal,
+                                               config=cfg, return_lse=True)
+    out, lse = jax.jit(f)(q, k, v)
+    tolerances.assert_close(out, want[0], tolerances.forward(jnp.bfloat16), name="out")
+    tolerances.assert_close(lse, want[1], tolerances.forward(jnp.bfloat16), name="lse")
+    grads = jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)
+    for name, a, b in zip("qkv", grads, want_grads):
+      tolerances.assert_close(a, b, tolerances.grad(jnp.bfloat16), name="d" + name)
+  cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=128, num_stages=3))
+  with pytest.raises(ValueError, match="with a mask, the forward's tiles must be "
+                     "fwd.block_kv=.*got fwd.block_kv=128, fwd.num_stages=3"):
+    mosaic.flash_attention(q, k, v, mask=mask, causal=causal, config=cfg)
+
+
 def test_launch_defaults():
   """Persistent for the full band (with segment ids balanced in the device's
   order); persistent and balanced for a causal band up to 8192 keys at any
@@ -473,7 +560,9 @@ VARIANTS = [
     dict(segment_ids=True, causal=True, persistent=True, balanced=True),
     dict(segment_ids=True, persistent=True, balanced=True, seq_q=300, seq_k=700),
     # The additive tile (bias and / or mask) in all three kernels.
+    # A mask alone: a float8 tile beside 128-key forward blocks.
     dict(bias=True, causal=True), dict(mask=True, logits_soft_cap=None, seq_q=200),
+    dict(mask=True, causal=True),
     dict(bias=True, mask=True, dtype="float16"),
     # Dropout in all three kernels (the row keys ride in the backward's stats),
     # with the persistent split tail, grouped heads and two launches, segment
