@@ -123,9 +123,9 @@ def additive_tiling(dtype, width: int):
   elements wide: swizzled rows of up to 128 bytes (128 one-byte, 64 two-byte or
   32 four-byte elements); a narrower tile's whole rows (64 one-byte elements:
   64 bytes)."""
-  row = min(width * jnp.dtype(dtype).itemsize, 128)
-  return (plgpu.TilingTransform((8, row // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(row))
+  item = jnp.dtype(dtype).itemsize
+  row = min(width * item, 128)
+  return plgpu.TilingTransform((8, row // item)), plgpu.SwizzleTransform(row)
 
 
 def _window(ref, at, batch: int, rows: int):

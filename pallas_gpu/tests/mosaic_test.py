@@ -400,7 +400,7 @@ def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
   assert tiles(spec(bias=b)) == tiles(spec(bias=b, mask=m)) == [(64, 2)]
   assert tiles(spec()) == []
   for s in (spec(mask=m), spec(mask=m, causal=True), spec(bias=b)):
-    assert (mosaic.default_config(s).fwd.block_kv,) == (tiles(s)[0][0],)
+    assert mosaic.default_config(s).fwd.block_kv == tiles(s)[0][0]
   # Beside 128-key blocks and a float8 tile the output is staged in Q's buffer.
   g = dataclasses.replace(mosaic.geometry(spec(mask=m), mosaic.default_config(spec(mask=m))),
                           bias_dtype="float8_e5m2")
