@@ -118,7 +118,7 @@ def additive_forwards(spec) -> tuple[MosaicForward, ...]:
   (docs/reports/2026-11-28-h200-mask-tile.md)."""
   if not has_additive_tile(spec):
     return ()
-  return (BIAS_FORWARD,) if spec.bias_shape is not None else (MASK_FORWARD, BIAS_FORWARD)
+  return (MASK_FORWARD, BIAS_FORWARD) if mask_alone(spec) else (BIAS_FORWARD,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,6 +255,13 @@ def two_launch_backward(spec) -> bool:
 def has_additive_tile(spec) -> bool:
   """A bias or dense mask: the kernels stream one additive tile."""
   return spec.bias_shape is not None or spec.mask_shape is not None
+
+
+def mask_alone(spec) -> bool:
+  """A dense mask without a bias: its additive tile holds only 0 and -inf, so
+  it travels as float8 (``mosaic.additive_tile``) and leaves room for the
+  forward's 128-key blocks (:func:`additive_forwards`)."""
+  return spec.mask_shape is not None and spec.bias_shape is None
 
 
 def fixed_backward_tiles(spec) -> str | None:

@@ -35,7 +35,7 @@ from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      OWN_BLOCK_BWD_MAX_HEAD_DIM, PACKED_BALANCED_MAX_KEYS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
                      backward_tiles_error,
-                     default_config, has_additive_tile, padded_head_dim,
+                     default_config, has_additive_tile, mask_alone, padded_head_dim,
                      uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
@@ -122,11 +122,10 @@ def backward_geometries(spec, config: MosaicConfig) -> tuple[Geometry, Geometry]
                    num_stages=dkv.num_stages, **common))
 
 
-def _tile_dtype(ops):
-  """The additive tile's dtype: an fp32 bias's; a mask alone's float8_e5m2,
-  which holds 0 and -inf exactly in half a bf16 tile's bytes; else the
-  inputs'."""
-  if ops.bias is None:
+def _tile_dtype(ops, spec):
+  """The additive tile's dtype: a mask alone's float8_e5m2, which holds 0 and
+  -inf exactly in half a bf16 tile's bytes; an fp32 bias's; else the inputs'."""
+  if mask_alone(spec):
     return jnp.dtype(jnp.float8_e5m2)
   if ops.bias.dtype == jnp.float32:
     return jnp.dtype(jnp.float32)
@@ -139,7 +138,7 @@ def additive_tile(ops, spec, g: Geometry):
   and ``g`` recording it; ``(g, None)`` without bias and mask."""
   if not has_additive_tile(spec):
     return g, None
-  dtype = _tile_dtype(ops)
+  dtype = _tile_dtype(ops, spec)
   tile = None if ops.bias is None else ops.bias.astype(dtype)
   if ops.mask is not None:
     blocked = jnp.where(ops.mask, 0.0, -jnp.inf).astype(dtype)
@@ -236,7 +235,7 @@ def forward(ops, spec, static: platform.Static):
 def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   # An fp32 tile's ring slots, with the dS stage, do not fit the dQ kernel's
   # shared memory beside its blocks.
-  fp32_tile = has_additive_tile(spec) and _tile_dtype(ops) == jnp.float32
+  fp32_tile = has_additive_tile(spec) and _tile_dtype(ops, spec) == jnp.float32
   if not uses_mosaic_backward(spec, static.config) or fp32_tile:
     ops, out, do = rows.materialize((ops, out, do))
     return pallas_triton.backward(ops, spec, platform.Static(static.config.backward),
