@@ -79,11 +79,11 @@ def kwargs(shape: Shape, *ops) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class WithFeature:
-  """``fn(q, k, v, causal, *operands)`` with the shape's mask or bias as
-  operands: the full shape's (``operands``), passed by timing.functions as
-  arguments of the jitted program (and differentiated with ``grad``), or,
-  called with q, k, v and causal alone, built for their sizes (the check's
-  smaller slice)."""
+  """``fn(q, k, v, causal, *operands)`` with the shape's feature: dropout's
+  arguments, or its mask or bias as operands: the full shape's
+  (``operands``), passed by timing.functions as arguments of the jitted
+  program (and differentiated with ``grad``), or, called with q, k, v and
+  causal alone, built for their sizes (the check's smaller slice)."""
   fn: Callable
   shape: Shape
   operands: tuple
@@ -101,13 +101,6 @@ def check_shape(name: str, shape: Shape) -> Shape:
   return shape
 
 
-def _with_feature(fn, shape: Shape, ops: tuple):
-  if shape.dropout_rate:
-    kw = kwargs(shape)
-    return lambda q, k, v, causal: fn(q, k, v, causal, **kw)
-  return WithFeature(fn, shape, ops, grad=shape.bias)
-
-
 def _without_feature(name, what):
   def build(shape):
     raise NotImplementedError(f"{name} has no {what} of flashjax's contract")
@@ -122,7 +115,7 @@ def variants(fns: dict, shape: Shape, q, k) -> dict:
   for name, fn in fns.items():
     impl = impls.IMPLS.get(name)
     if impl is not None and impl.kind == "flashjax":
-      out[name] = lambda s, fn=fn: _with_feature(fn, s, ops)
+      out[name] = lambda s, fn=fn: WithFeature(fn, s, ops, grad=s.bias)
       out[name + without(shape)] = lambda s, fn=fn: fn
     else:
       out[name] = _without_feature(name, feature(shape))

@@ -314,7 +314,7 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   fits = additive_forwards(spec)
   if fits and tiles(config.fwd) not in [tiles(f) for f in fits]:
     if explicit:
-      what = "a bias" if spec.bias_shape is not None else "a mask"
+      what = "a mask" if mask_alone(spec) else "a bias"
       allowed = " or ".join(f"fwd.block_kv={f.block_kv}, fwd.num_stages="
                             f"{f.num_stages}" for f in fits)
       raise ValueError(f"with {what}, the forward's tiles must be {allowed} (the "
