@@ -67,6 +67,12 @@ class TestDenseSelfTest(conformance.ConformanceSuite):
       name="dense-selftest",
       features=frozenset(conformance.FEATURES) - {"sinks"},
       head_dim_ok=lambda d: d <= 256, max_seq_len=400, hypothesis_examples=6)
+  # Every check but the shape, dtype and head-dim sweeps: those run on every
+  # platform instance against the reference, and here cost a third of this
+  # instance's CI time (37 of 102 s, 2026-11-28) without a check of their own.
+  SUBSET = frozenset(
+      n for n in dir(conformance.ConformanceSuite) if n.startswith("test_")) - {
+          "test_shapes", "test_dtypes", "test_head_dims"}
 
   def attention(self, q, k, v, **kwargs):
     return dense_attention(q, k, v, **kwargs)
