@@ -395,6 +395,12 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
   def test_bias(self, shape):
     self.check(Case(batch=2, seq_q=90, seq_k=140, bias_shape=shape, seed=17))
 
+  def test_bias_broadcast_over_a_batch(self):
+    """dbias summed over eight batch rows under a causal band (a kernel may
+    sum it itself from some batch size on, leaving skipped tiles at zero)."""
+    self.check(Case(batch=8, seq_q=64, seq_k=96, bias_shape=(1, -1, -1, -1),
+                    causal=True, seed=18))
+
   @pytest.mark.parametrize("shape", [(-1, -1, -1, -1), (-1, 1, -1, -1), (-1, 1, 1, -1),
                                      (-1, -1)])
   def test_mask(self, shape):

@@ -84,6 +84,10 @@ class Geometry:
   # Backward with an additive tile from a bias (not a mask alone): the dQ
   # kernel writes dS for dbias.
   bias_grad: bool = False
+  # With bias_grad, a bias broadcast over the batch: the dQ kernel adds each
+  # batch row's dS in fp32 into one zeroed ``[1, Hq, Sqp, Skp]`` array (TMA
+  # reduce-adds), its CTAs batch-fastest so a tile's adds meet in L2.
+  ds_batch_sum: bool = False
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
   # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
   # registers hold one fp32 accumulator over the head dim, not two.

@@ -56,10 +56,16 @@ dQ kernel and, transposed by XLA, with each Q block in the dK/dV kernel. With a
 bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
 a ``[B, Hq, Sqp, Skp]`` array for dbias (bf16 with a bf16 tile, else fp32;
 :func:`ds_dtype`; summed in fp32 by XLA), zeros where its walk does not reach.
+A bias broadcast over eight or more batch rows (``Geometry.ds_batch_sum``) is
+summed by the dQ kernel instead: fp32 TMA reduce-adds of each row's dS into one
+zeroed ``[1, Hq, Sqp, Skp]`` array, with the dQ CTAs batch-fastest so the adds
+to a tile meet in L2. The order of those fp32 adds, and so dbias's last bits,
+varies from run to run; dQ, dK and dV stay deterministic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -476,6 +482,67 @@ def _launch(entry, out_type, grid, grid_names):
       compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
+def _launch_accumulating(entry, out_type, grid, grid_names):
+  """:func:`_launch` whose last output starts as zeros, which the kernel adds
+  into: Mosaic-GPU outputs start uninitialised, so the zeros go in as a Ref,
+  which ``pl.kernel`` aliases in and out, inside ``pl.run_state`` so that the
+  call stays a function of its operands. ``entry`` sees the accumulator last,
+  as with :func:`_launch`."""
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3,
+                    thread_name="wg")
+  *outs, acc = out_type
+
+  def call(*operands):
+    n = len(operands)
+
+    def body(*refs):
+      entry(*refs[:n], *refs[n + 1:], refs[n])
+
+    def stateful(refs):
+      acc_ref, out_refs = refs
+      res = pl.kernel(body, out_type=tuple(outs), mesh=mesh,
+                      compiler_params=plgpu.CompilerParams(approx_math=True))(
+                          *operands, acc_ref)
+      for ref, x in zip(out_refs, res):
+        ref[...] = x
+
+    zeros = lambda t: jnp.zeros(t.shape, t.dtype)
+    total, res = pl.run_state(stateful)((zeros(acc), tuple(map(zeros, outs))))
+    return (*res, total)
+  return call
+
+
+def _summing(make_call, g: Geometry, operands):
+  """``make_call(g)(*operands)``, whose last result is dS for dbias. With
+  ``g.ds_batch_sum`` under ``vmap``, where a Ref cannot batch, the vmapped
+  kernels write each row's dS (``plgpu.kernel`` batches them) and XLA sums it."""
+  if not g.ds_batch_sum:
+    return make_call(g)(*operands)
+  call = jax.custom_batching.custom_vmap(make_call(g))
+
+  @call.def_vmap
+  def _per_row(axis_size, in_batched, *xs):
+    del axis_size
+    rows = make_call(dataclasses.replace(g, ds_batch_sum=False))
+    *res, ds = jax.vmap(rows, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+    res = (*res, ds.astype(jnp.float32).sum(1, keepdims=True))
+    return res, (True,) * len(res)
+  return call(*operands)
+
+
+def _dq_where(g: Geometry, i):
+  """dQ CTA ``i`` -> (query tile, head, batch): tiles fastest, so the CTAs in
+  flight share one head's K and V in L2; batch-fastest for the kernel's dS
+  batch sum, whose adds to one tile then come close in time and meet in L2."""
+  if g.ds_batch_sum:
+    rest = lax.div(i, jnp.int32(g.batch))
+    return (_dq_tile(g, lax.rem(rest, jnp.int32(g.num_q_tiles))),
+            lax.div(rest, jnp.int32(g.num_q_tiles)), lax.rem(i, jnp.int32(g.batch)))
+  hb = lax.div(i, jnp.int32(g.num_q_tiles))
+  return (_dq_tile(g, lax.rem(i, jnp.int32(g.num_q_tiles))),
+          lax.rem(hb, jnp.int32(g.heads_q)), lax.div(hb, jnp.int32(g.heads_q)))
+
+
 def _run(kernel, scoped, ins, outs, where, seg_refs):
   """Runs one CTA's ``kernel`` in its scoped shared memory and barriers."""
   def body(smem, bars, free, seg_smem=(), seg_bars=()):
@@ -500,20 +567,25 @@ def _optional(*xs):
 
 
 def ds_dtype(g: Geometry):
-  """dS's dtype for dbias: bf16 where the additive tile is bf16, else fp32.
+  """dS's dtype for dbias: fp32 for the kernel's batch sum
+  (``g.ds_batch_sum``); else bf16 where the additive tile is bf16, else fp32.
   The array is the backward's largest write, read again by XLA's batch and
   head sum, so bf16 halves that traffic (forward+backward with a bias
   1.14-1.24x faster on an H200, 2026-11-26); bf16 keeps fp32's range, while
   fp16 would flush the small dS of long rows (P about 1 / S) towards its
   subnormals, so an fp16 tile keeps fp32."""
+  if g.ds_batch_sum:
+    return jnp.dtype(jnp.float32)
   return jnp.dtype(jnp.bfloat16 if g.bias_dtype == "bfloat16" else jnp.float32)
 
 
 def _ds_type(g: Geometry):
-  """dS for dbias, ``[B, Hq, Sqp, Skp]`` in :func:`ds_dtype`, with a bias."""
+  """dS for dbias, ``[B, Hq, Sqp, Skp]`` (``[1, ...]``, the batch's sum, with
+  ``g.ds_batch_sum``) in :func:`ds_dtype`, with a bias."""
   if not g.bias_grad:
     return ()
-  return (jax.ShapeDtypeStruct((g.batch, g.heads_q, g.seq_q_padded, g.seq_k_padded),
+  rows = 1 if g.ds_batch_sum else g.batch
+  return (jax.ShapeDtypeStruct((rows, g.heads_q, g.seq_q_padded, g.seq_k_padded),
                                ds_dtype(g)),)
 
 
@@ -623,19 +695,23 @@ def _dq_program(g: Geometry, dtype):
 
       def store_ds(s, ds):
         """dS of step ``s`` (the logits' gradient) to its dbias tile, staged in
-        shared memory; the previous step's copy has read the stage by then."""
+        shared memory (added to the batch's sum with ``g.ds_batch_sum``); the
+        previous step's copy has read the stage by then."""
         if ds_ref is None:
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         ds_smem[0].at[wg][...] = ds.astype(ds_smem[0].dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ds_smem[0].at[wg],
-                                ds_ref.at[b_idx, h, pl.ds(r0, bq), pl.ds(s * bk, bk)])
+        plgpu.copy_smem_to_gmem(
+            ds_smem[0].at[wg],
+            ds_ref.at[0 if g.ds_batch_sum else b_idx, h, pl.ds(r0, bq),
+                      pl.ds(s * bk, bk)],
+            reduction_op="add" if g.ds_batch_sum else None)
 
       def zero_ds(lo, hi):
         """Zeros to the dbias tiles of the blocks outside ``[lo, hi)``, which
-        this warpgroup's walk does not write."""
-        if ds_ref is None:
+        this warpgroup's walk does not write (a batch sum starts zeroed)."""
+        if ds_ref is None or g.ds_batch_sum:
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         ds_smem[0].at[wg][...] = zeros((bq, bk)).astype(ds_smem[0].dtype)
@@ -840,21 +916,24 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   row block); ``bias``: the additive tile ``[B|1, H|1, Sqp, Skp]``.
   Returns ``dq [B, Sqp, Hq, D]`` (q's dtype) and, with ``g.bias_grad``, dS
   ``[B, Hq, Sqp, Skp]`` in :func:`ds_dtype` (else None)."""
-  scoped, kernel = _dq_program(g, q.dtype)
   n = len(segments)
 
-  def entry(*refs):
-    where = (_dq_tile(g, lax.axis_index("qt")), lax.axis_index("h"),
-             lax.axis_index("b"))
-    ins, rest = _inputs(refs, seed, bias, g)
-    outs = rest[n:]
-    _run(kernel, scoped, ins, (outs[0], outs[1] if g.bias_grad else None), where,
-         rest[:n])
+  def make_call(g):
+    scoped, kernel = _dq_program(g, q.dtype)
 
-  q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
-  res = _launch(entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
-                (g.batch, g.heads_q, g.num_q_tiles), ("b", "h", "qt"))(
-                    q, k, v, do, stats, *_optional(seed, bias), *segments)
+    def entry(*refs):
+      ins, rest = _inputs(refs, seed, bias, g)
+      outs = rest[n:]
+      _run(kernel, scoped, ins, (outs[0], outs[1] if g.bias_grad else None),
+           _dq_where(g, lax.axis_index("t")), rest[:n])
+
+    q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
+    launch = _launch_accumulating if g.ds_batch_sum else _launch
+    return launch(entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
+                  (g.batch * g.heads_q * g.num_q_tiles,), ("t",))
+
+  res = _summing(make_call, g, (q, k, v, do, stats, *_optional(seed, bias),
+                                *segments))
   return res[0], (res[1] if g.bias_grad else None)
 
 
@@ -870,42 +949,46 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   same = lambda g: (g.q_at, g.k_at, g.v_at, g.seq_q_padded, g.seq_k_padded)
   assert same(g_dq) == same(g_dkv), (same(g_dq), same(g_dkv))
   dkv_scoped, dkv_kernel = _dkv_program(g_dkv, q.dtype)
-  dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
   n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q
   first_dq = n_kv * heads * g_dq.batch
   n1, n2 = len(seg_dq), len(seg_dkv)
 
-  def split(i, n):
+  def dkv_where(i):
     """Linear CTA index -> (tile, head, batch), tiles fastest."""
-    hb = lax.div(i, jnp.int32(n))
-    return lax.rem(i, jnp.int32(n)), lax.rem(hb, jnp.int32(heads)), lax.div(
+    hb = lax.div(i, jnp.int32(n_kv))
+    return lax.rem(i, jnp.int32(n_kv)), lax.rem(hb, jnp.int32(heads)), lax.div(
         hb, jnp.int32(heads))
 
-  def entry(*refs):
-    t = lax.axis_index("t")
-    ins, rest = _inputs(refs, seed, bias, g_dq)
-    bias_t_ref = None
-    if bias_t is not None:
-      bias_t_ref, rest = rest[0], rest[1:]
-    dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
-    dq_ref, dk_ref, dv_ref, *ds_ref = rest[n1 + n2:]
+  def make_call(g_dq):
+    dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
 
-    @pl.when(t < first_dq)
-    def _():
-      _run(dkv_kernel, dkv_scoped, ins[:6] + (bias_t_ref,), (dk_ref, dv_ref),
-           split(t, n_kv), dkv_seg)
+    def entry(*refs):
+      t = lax.axis_index("t")
+      ins, rest = _inputs(refs, seed, bias, g_dq)
+      bias_t_ref = None
+      if bias_t is not None:
+        bias_t_ref, rest = rest[0], rest[1:]
+      dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
+      dq_ref, dk_ref, dv_ref, *ds_ref = rest[n1 + n2:]
 
-    @pl.when(t >= first_dq)
-    def _():
-      tile, h, b = split(t - first_dq, n_q)
-      _run(dq_kernel, dq_scoped, ins, (dq_ref, ds_ref[0] if ds_ref else None),
-           (_dq_tile(g_dq, tile), h, b), dq_seg)
+      @pl.when(t < first_dq)
+      def _():
+        _run(dkv_kernel, dkv_scoped, ins[:6] + (bias_t_ref,), (dk_ref, dv_ref),
+             dkv_where(t), dkv_seg)
 
-  kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
-  q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
-  out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
-              jax.ShapeDtypeStruct(kv_shape, q.dtype),
-              jax.ShapeDtypeStruct(kv_shape, q.dtype)) + _ds_type(g_dq)
-  res = _launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))(
-      q, k, v, do, stats, *_optional(seed, bias, bias_t), *seg_dq, *seg_dkv)
+      @pl.when(t >= first_dq)
+      def _():
+        _run(dq_kernel, dq_scoped, ins, (dq_ref, ds_ref[0] if ds_ref else None),
+             _dq_where(g_dq, t - first_dq), dq_seg)
+
+    kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
+    q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
+    out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
+                jax.ShapeDtypeStruct(kv_shape, q.dtype),
+                jax.ShapeDtypeStruct(kv_shape, q.dtype)) + _ds_type(g_dq)
+    launch = _launch_accumulating if g_dq.ds_batch_sum else _launch
+    return launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))
+
+  res = _summing(make_call, g_dq, (q, k, v, do, stats,
+                                   *_optional(seed, bias, bias_t), *seg_dq, *seg_dkv))
   return tuple(res[:3]) + (res[3] if g_dq.bias_grad else None,)

@@ -36,6 +36,7 @@ from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
                      backward_tiles_error,
                      default_config, has_additive_tile, mask_alone, padded_head_dim,
+                     sums_dbias_in_kernel,
                      uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
@@ -268,7 +269,8 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   g_dq, tile = additive_tile(ops, spec, g_dq)
   tile_t = None
   if tile is not None:
-    g_dq = dataclasses.replace(g_dq, bias_grad=ops.bias is not None)
+    g_dq = dataclasses.replace(g_dq, bias_grad=ops.bias is not None,
+                               ds_batch_sum=sums_dbias_in_kernel(spec))
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
     tile_t = jnp.swapaxes(tile, 2, 3)

@@ -15,6 +15,7 @@ from flashjax.common import (autotune, configs, conformance, hardware, platform,
                              spec as spec_lib, tolerances)
 from flashjax.common.mask import Band
 from flashjax.pallas_gpu.mosaic import blocks as mosaic_blocks, mosaic
+from flashjax.pallas_gpu.mosaic import config as mosaic_config
 from flashjax.pallas_gpu.triton import pallas_triton
 
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
@@ -53,6 +54,40 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     kw = {**dict(batch=2, seq_q=256, seq_k=384, heads_q=2, heads_kv=2,
                  head_dim=256, seed=11), **kw}
     self.check(conformance.Case(**kw))
+
+  @pytest.mark.parametrize("one_launch,causal,dropout", [
+      (True, True, 0.0), (False, False, 0.0), (True, True, 0.2)])
+  def test_dbias_summed_over_the_batch_in_the_kernel(self, one_launch, causal, dropout):
+    """A bias broadcast over 8 batch rows: the dQ kernel adds each row's dS
+    into one fp32 sum (blocks.Geometry.ds_batch_sum), in one launch or two,
+    and beside dropout (whose row stats take more shared memory)."""
+    def attention(q, k, v, **kwargs):
+      spec = spec_lib.canonicalize(
+          q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
+      assert mosaic.sums_dbias_in_kernel(spec)
+      cfg = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
+      return mosaic.flash_attention(q, k, v, config=cfg, **kwargs)
+    self.attention = attention
+    self.check(conformance.Case(batch=8, seq_q=256, seq_k=320, heads_q=2, heads_kv=2,
+                                bias_shape=(1, -1, -1, -1), causal=causal,
+                                dropout_rate=dropout, seed=41))
+
+  def test_dbias_batch_sum_under_vmap(self):
+    """Under vmap the kernels write each row's dS (plgpu.kernel batches them)
+    and XLA sums it: the same dbias as the loop over the mapped axis."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    q, k, v = (jax.random.normal(key, (2, 4, 128, 2, 128), jnp.bfloat16)
+               for key in keys[:3])
+    bias = jax.random.normal(keys[3], (1, 2, 128, 128), jnp.bfloat16)
+    loss = lambda q, k, v, bias: (mosaic.flash_attention(
+        q, k, v, bias=bias, causal=True).astype(jnp.float32) ** 2).sum()
+    grad = jax.grad(loss, argnums=3)
+    got = np.asarray(jax.jit(jax.vmap(grad, in_axes=(0, 0, 0, None)))(q, k, v, bias),
+                     np.float32)
+    want = np.stack([np.asarray(jax.jit(grad)(q[i], k[i], v[i], bias), np.float32)
+                     for i in range(2)])
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
   @pytest.mark.parametrize("kw", [
       dict(segment_ids="documents", causal=True), dict(segment_ids="documents"),
@@ -363,11 +398,49 @@ def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
     assert mosaic_bwd._ds_type(g)[0].dtype == want
 
 
+@pytest.mark.parametrize("batch,bias_batch,summed", [
+    (7, 1, False), (8, 1, True), (8, 8, False)])
+def test_dbias_batch_sum_lowers_to_reduce_adds(batch, bias_batch, summed):
+  """From ``DBIAS_KERNEL_SUM_MIN_BATCH`` rows a bias broadcast over the batch
+  has its dS summed by the dQ kernel: fp32 TMA reduce-adds into a zeroed sum
+  aliased in and out of the kernel, in one launch or two. Under vmap the
+  kernels write each row's dS instead (a Ref does not batch)."""
+  assert mosaic_config.DBIAS_KERNEL_SUM_MIN_BATCH == 8
+  sd = jax.ShapeDtypeStruct
+  q = sd((batch, 256, 2, 128), jnp.bfloat16)
+  bias = sd((bias_batch, 2, 256, 256), jnp.bfloat16)
+
+  def lowered(one_launch, mapped=False):
+    def bwd(q, k, v, bias):
+      ops, spec = spec_lib.canonicalize(q, k, v, bias=bias, causal=True)
+      assert mosaic.sums_dbias_in_kernel(spec) == summed
+      config = dataclasses.replace(mosaic.default_config(spec),
+                                   bwd_one_launch=one_launch)
+      static = platform.Static(dataclasses.replace(
+          config, backward=pallas_triton.default_config(spec)))
+      out, lse = mosaic.forward(ops, spec, static)
+      grads = mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+      assert grads.bias.shape == bias.shape
+      return grads
+    if mapped:
+      bwd = jax.vmap(bwd, in_axes=(0, 0, 0, None))
+      q_ = sd((2,) + q.shape, q.dtype)
+    else:
+      q_ = q
+    text = jax.jit(bwd).trace(q_, q_, q_, bias).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == (2 if one_launch else 3)
+    return "cp.reduce.async.bulk" in text, "output_operand_alias" in text
+
+  for one_launch in (True, False):
+    assert lowered(one_launch) == (summed, summed)
+  assert lowered(True, mapped=True) == (False, False)
+
+
 def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
   """A mask alone rides as float8_e5m2 0 / -inf (exact, half a bf16 tile's
   bytes), which leaves shared memory for 128-key forward blocks (the default;
   64-key ones allowed); a bias keeps its dtype and 64-key blocks."""
-  from flashjax.pallas_gpu.mosaic import config as mosaic_config
   sd = jax.ShapeDtypeStruct
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (2, 200, 2, 64), jnp.bfloat16)
