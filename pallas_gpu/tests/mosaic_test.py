@@ -55,6 +55,19 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
                  head_dim=256, seed=11), **kw}
     self.check(conformance.Case(**kw))
 
+  @pytest.mark.parametrize("kw", [
+      dict(causal=True), dict(seq_q=300, seq_k=200, heads_q=4, heads_kv=2)], ids=str)
+  def test_two_launch_backward(self, kw):
+    """The dQ and dK/dV kernels as two launches (the default over long full
+    bands, config.two_launch_backward)."""
+    def attention(q, k, v, **kwargs):
+      spec = spec_lib.canonicalize(
+          q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
+      cfg = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=False)
+      return mosaic.flash_attention(q, k, v, config=cfg, **kwargs)
+    self.attention = attention
+    self.check(conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=384, seed=43), **kw}))
+
   @pytest.mark.parametrize("one_launch,causal,dropout", [
       (True, True, 0.0), (False, False, 0.0), (True, True, 0.2)])
   def test_dbias_summed_over_the_batch_in_the_kernel(self, one_launch, causal, dropout):
