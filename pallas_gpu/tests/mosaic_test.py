@@ -411,22 +411,33 @@ def test_ds_dtype_halves_the_dbias_traffic_for_bf16_only():
     assert mosaic_bwd._ds_type(g)[0].dtype == want
 
 
-@pytest.mark.parametrize("batch,bias_batch,summed", [
-    (7, 1, False), (8, 1, True), (8, 8, False)])
-def test_dbias_batch_sum_lowers_to_reduce_adds(batch, bias_batch, summed):
+def test_dbias_batch_sum_lowers_to_reduce_adds():
   """From ``DBIAS_KERNEL_SUM_MIN_BATCH`` rows a bias broadcast over the batch
-  has its dS summed by the dQ kernel: fp32 TMA reduce-adds into a zeroed sum
-  aliased in and out of the kernel, in one launch or two. Under vmap the
-  kernels write each row's dS instead (a Ref does not batch)."""
+  (whatever a mask adds) has its dS summed by the dQ kernel: fp32 TMA
+  reduce-adds into a zeroed sum aliased in and out of the kernel, in one
+  launch or two. Under vmap, and for a bias per batch row, the kernels write
+  each row's dS instead (a Ref does not batch)."""
   assert mosaic_config.DBIAS_KERNEL_SUM_MIN_BATCH == 8
   sd = jax.ShapeDtypeStruct
-  q = sd((batch, 256, 2, 128), jnp.bfloat16)
-  bias = sd((bias_batch, 2, 256, 256), jnp.bfloat16)
 
-  def lowered(one_launch, mapped=False):
+  def spec(batch, bias_batch, **kw):
+    return spec_lib.abstract_spec(batch=batch, seq_q=128, seq_k=128, heads_q=2,
+                                  head_dim=128, dtype="bfloat16",
+                                  bias=sd((bias_batch, 2, 128, 128), jnp.bfloat16), **kw)
+  mask = sd((8, 1, 128, 128), jnp.bool_)
+  assert [mosaic.sums_dbias_in_kernel(spec(*bb)) for bb in ((7, 1), (8, 1), (8, 8))] == [
+      False, True, False]
+  assert mosaic.sums_dbias_in_kernel(spec(8, 1, mask=mask))
+  assert not mosaic.sums_dbias_in_kernel(spec_lib.abstract_spec(
+      batch=8, seq_q=128, seq_k=128, heads_q=2, head_dim=128, dtype="bfloat16",
+      mask=mask))
+
+  def lowered(bias_batch, one_launch=True, mapped=False):
+    q = sd((8, 128, 2, 128), jnp.bfloat16)
+    bias = sd((bias_batch, 2, 128, 128), jnp.bfloat16)
+
     def bwd(q, k, v, bias):
       ops, spec = spec_lib.canonicalize(q, k, v, bias=bias, causal=True)
-      assert mosaic.sums_dbias_in_kernel(spec) == summed
       config = dataclasses.replace(mosaic.default_config(spec),
                                    bwd_one_launch=one_launch)
       static = platform.Static(dataclasses.replace(
@@ -436,18 +447,14 @@ def test_dbias_batch_sum_lowers_to_reduce_adds(batch, bias_batch, summed):
       assert grads.bias.shape == bias.shape
       return grads
     if mapped:
-      bwd = jax.vmap(bwd, in_axes=(0, 0, 0, None))
-      q_ = sd((2,) + q.shape, q.dtype)
-    else:
-      q_ = q
-    text = jax.jit(bwd).trace(q_, q_, q_, bias).lower(
+      bwd, q = jax.vmap(bwd, in_axes=(0, 0, 0, None)), sd((2,) + q.shape, q.dtype)
+    text = jax.jit(bwd).trace(q, q, q, bias).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == (2 if one_launch else 3)
     return "cp.reduce.async.bulk" in text, "output_operand_alias" in text
 
-  for one_launch in (True, False):
-    assert lowered(one_launch) == (summed, summed)
-  assert lowered(True, mapped=True) == (False, False)
+  assert lowered(1) == lowered(1, one_launch=False) == (True, True)
+  assert lowered(1, mapped=True) == lowered(8) == (False, False)
 
 
 def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
