@@ -18,6 +18,17 @@ def transpose_ref(ref, perm):
   return plgpu.transpose_ref(ref, perm)
 
 
+def without_vma_check():
+  """A context that turns off the checking of varying manual axes, as
+  ``plgpu.kernel`` does around its own ``pl.kernel`` call: inside
+  ``shard_map(check_vma=True)`` a direct ``pl.kernel`` call otherwise rejects
+  output types without a manual axis type. ``jax._src.config._check_vma`` in
+  0.10 and 0.11."""
+  from jax._src import config
+  check = getattr(config, "_check_vma", None)
+  return check(False) if check is not None else contextlib.nullcontext()
+
+
 def mgpu_load(ref, layout):
   """``plgpu.load`` of a whole (already indexed) ref into ``layout``: 0.10 takes
   the index positionally; 0.11 deprecates passing it (index via ``ref.at``)."""

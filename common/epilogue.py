@@ -66,8 +66,9 @@ def backward_rows(out, do, dlse, lse, seq_q_padded: int):
 
 
 def dbias_from_ds(ds, spec, bias):
-  """dbias from a kernel's padded ``ds [B, Hq, Sqp, Skp]`` (fp32, or bf16): cut
-  to the call's sizes and summed in fp32 over the dims ``bias`` broadcasts."""
+  """dbias from a kernel's padded ``ds [B|1, Hq, Sqp, Skp]`` (fp32, or bf16;
+  one row where the kernel summed the batch): cut to the call's sizes and
+  summed in fp32 over the dims ``bias`` broadcasts."""
   ds = ds[:, :, :spec.seq_q, :spec.seq_k]
   ds = reduce_to_shape(ds.astype(jnp.promote_types(ds.dtype, jnp.float32)), bias.shape)
   return ds.reshape(bias.shape).astype(bias.dtype)

@@ -272,13 +272,15 @@ DBIAS_KERNEL_SUM_MIN_BATCH = 8
 def sums_dbias_in_kernel(spec) -> bool:
   """Whether the dQ kernel sums dS over the batch for a bias broadcast over it
   (``Geometry.ds_batch_sum``) instead of writing a ``[B, H, Sq, Sk]`` dS that
-  XLA sums. Per element of dbias the kernel's sum moves about 14 bytes (a
-  zeroed fp32 accumulator, its write-back, XLA's read of it and dbias's write)
-  against ``4 * B + 2`` for a bf16 dS per row. On an H200 (2026-11-28,
-  forward+backward, H16 D128) it was 1.00-1.03x as fast at B8 S2k, 1.11-1.14x
-  causal, 1.07-1.10x at B16 S1k and B32 S512; at B4 S4k 0.96-0.97x (1.06x
-  causal) and at B2 S8k 0.85-0.86x. Its fp32 sum also cut dbias's error
-  against an fp32 reference 2-4x."""
+  XLA sums. Per element of dbias the kernel's sum moves about 18 bytes (the
+  zeroed fp32 accumulator written, read back into L2 by the first add and
+  written back, XLA's read of it and dbias's write) against ``4 * B + 2`` for a
+  bf16 dS per row: even at B = 4. On an H200 (2026-11-28, forward+backward,
+  H16 D128, sequence lengths of 512 to 2048 at 8 rows or more) it was
+  1.00-1.03x as fast at B8 S2k and 1.13-1.14x causal, 1.07x at B16 S1k and
+  1.19x causal, 1.10x at B32 S512 causal; at B4 S4k 0.97-0.99x (1.07x causal)
+  and at B2 S8k 0.85-0.86x. Its fp32 sum also cut dbias's error against an
+  fp32 reference 1.9-4x."""
   return (spec.bias_shape is not None and spec.bias_shape[0] == 1
           and spec.batch >= DBIAS_KERNEL_SUM_MIN_BATCH)
 
@@ -289,8 +291,8 @@ def fixed_backward_tiles(spec) -> str | None:
   K and V blocks, a dK/dV CTA its 64 keys of K and V and two stages of 64-row Q
   and dO blocks: 192 KiB of the 227 at D = 256. With an additive tile the dQ
   kernel holds two stages of its 64 x 64 tiles and a dS stage (bf16 with a
-  bf16 tile, 177 KiB in all; fp32 with an fp16 tile, 193 KiB) beside its D =
-  128 blocks. Any larger block or a third stage did not fit beside the fp32
+  bf16 tile, 177 KiB in all; fp32 with an fp16 tile or for the batch sum,
+  193 KiB) beside its D = 128 blocks. Any larger block or a third stage did not fit beside the fp32
   stage; beside the bf16 one that is not measured."""
   if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
     return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"

@@ -43,6 +43,16 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
   def attention(self, q, k, v, **kwargs):
     return mosaic.flash_attention(q, k, v, **kwargs)
 
+  def may_vary(self, case):
+    """dbias where the dQ kernel sums it with atomic adds: a bias in the
+    inputs' dtype (an fp32 one takes Pallas-Triton's backward) broadcast over
+    at least DBIAS_KERNEL_SUM_MIN_BATCH batch rows."""
+    shape = case.bias_shape
+    summed = (shape is not None and case.bias_dtype == "input"
+              and (len(shape) < 4 or shape[0] == 1)
+              and case.batch >= mosaic_config.DBIAS_KERNEL_SUM_MIN_BATCH)
+    return frozenset({"bias"} if summed else ())
+
   @pytest.mark.parametrize("kw", [
       dict(), dict(causal=True), dict(seq_q=300, seq_k=200, sliding_window=(50, 10)),
       dict(heads_q=4, heads_kv=1, logits_soft_cap=20.0),
@@ -71,25 +81,25 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
   @pytest.mark.parametrize("one_launch,causal,dropout", [
       (True, True, 0.0), (False, False, 0.0), (True, True, 0.2)])
   def test_dbias_summed_over_the_batch_in_the_kernel(self, one_launch, causal, dropout):
-    """A bias broadcast over 8 batch rows: the dQ kernel adds each row's dS
-    into one fp32 sum (blocks.Geometry.ds_batch_sum), in one launch or two,
+    """A bf16 bias broadcast over 8 batch rows: the dQ kernel adds each row's
+    dS into one fp32 sum (blocks.Geometry.ds_batch_sum), in one launch or two,
     and beside dropout (whose row stats take more shared memory)."""
     def attention(q, k, v, **kwargs):
       spec = spec_lib.canonicalize(
           q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
-      assert mosaic.sums_dbias_in_kernel(spec)
+      assert mosaic.sums_dbias_in_kernel(spec) and kwargs["bias"].dtype == jnp.bfloat16
       cfg = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
       return mosaic.flash_attention(q, k, v, config=cfg, **kwargs)
     self.attention = attention
     self.check(conformance.Case(batch=8, seq_q=256, seq_k=320, heads_q=2, heads_kv=2,
-                                bias_shape=(1, -1, -1, -1), causal=causal,
-                                dropout_rate=dropout, seed=41))
+                                bias_shape=(1, -1, -1, -1), bias_dtype="input",
+                                causal=causal, dropout_rate=dropout, seed=41))
 
   def test_dbias_batch_sum_under_vmap(self):
     """Under vmap the kernels write each row's dS (plgpu.kernel batches them)
     and XLA sums it: the same dbias as the loop over the mapped axis."""
     keys = jax.random.split(jax.random.PRNGKey(5), 4)
-    q, k, v = (jax.random.normal(key, (2, 4, 128, 2, 128), jnp.bfloat16)
+    q, k, v = (jax.random.normal(key, (2, 8, 128, 2, 128), jnp.bfloat16)
                for key in keys[:3])
     bias = jax.random.normal(keys[3], (1, 2, 128, 128), jnp.bfloat16)
     loss = lambda q, k, v, bias: (mosaic.flash_attention(
@@ -415,8 +425,9 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
   """From ``DBIAS_KERNEL_SUM_MIN_BATCH`` rows a bias broadcast over the batch
   (whatever a mask adds) has its dS summed by the dQ kernel: fp32 TMA
   reduce-adds into a zeroed sum aliased in and out of the kernel, in one
-  launch or two. Under vmap, and for a bias per batch row, the kernels write
-  each row's dS instead (a Ref does not batch)."""
+  launch or two, and inside a shard_map that checks varying axes. Under vmap,
+  and for a bias per batch row, the kernels write each row's dS instead (a
+  Ref does not batch)."""
   assert mosaic_config.DBIAS_KERNEL_SUM_MIN_BATCH == 8
   sd = jax.ShapeDtypeStruct
 
@@ -432,7 +443,7 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
       batch=8, seq_q=128, seq_k=128, heads_q=2, head_dim=128, dtype="bfloat16",
       mask=mask))
 
-  def lowered(bias_batch, one_launch=True, mapped=False):
+  def lowered(bias_batch, one_launch=True, mapped=False, sharded=False):
     q = sd((8, 128, 2, 128), jnp.bfloat16)
     bias = sd((bias_batch, 2, 128, 128), jnp.bfloat16)
 
@@ -448,12 +459,20 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
       return grads
     if mapped:
       bwd, q = jax.vmap(bwd, in_axes=(0, 0, 0, None)), sd((2,) + q.shape, q.dtype)
+    if sharded:
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+      rows = jax.sharding.PartitionSpec("x")
+      per_shard = bwd
+      bwd = jax.shard_map(lambda *a: per_shard(*a).bias, mesh=mesh,
+                          in_specs=(rows,) * 3 + (jax.sharding.PartitionSpec(),),
+                          out_specs=jax.sharding.PartitionSpec(), check_vma=True)
     text = jax.jit(bwd).trace(q, q, q, bias).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == (2 if one_launch else 3)
     return "cp.reduce.async.bulk" in text, "output_operand_alias" in text
 
   assert lowered(1) == lowered(1, one_launch=False) == (True, True)
+  assert lowered(1, sharded=True) == (True, True)
   assert lowered(1, mapped=True) == lowered(8) == (False, False)
 
 
