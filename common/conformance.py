@@ -411,8 +411,9 @@ class ConformanceSuite(X64Cases, PackedSegmentCases, JvpChecks):
     """A bias in the inputs' dtype (how bf16 models pass it; the other cases
     pass fp32), broadcast over eight batch rows under a causal band: dbias
     summed over the batch, where a kernel may sum it itself."""
-    self.check(Case(batch=8, seq_q=64, seq_k=96, bias_shape=(1, -1, -1, -1),
-                    bias_dtype="input", causal=True, seed=18))
+    self.check(Case(batch=8, seq_q=64, seq_k=96, heads_q=2, heads_kv=1,
+                    bias_shape=(1, -1, -1, -1), bias_dtype="input", causal=True,
+                    seed=18))
 
   @pytest.mark.parametrize("shape", [(-1, -1, -1, -1), (-1, 1, -1, -1), (-1, 1, 1, -1),
                                      (-1, -1)])
