@@ -471,16 +471,19 @@ def _free(stages: int):
   return (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
 
 
+# Two compute warpgroups and a memory warpgroup per CTA, in every launch.
+_THREADS = dict(num_threads=3, thread_name="wg")
+_PARAMS = plgpu.CompilerParams(approx_math=True)
+
+
 def _launch(entry, out_type, grid, grid_names):
   """Mosaic GPU puts a grid's last axis on CUDA's x, which the hardware
   schedules fastest: with tiles last, the CTAs in flight walk one head's
   operands together and keep them in L2 (with batch last they spanned every
   head: an H200 profile of a single-pass backward at B2 S8k read 15.4 GB from
   DRAM on 2026-11-23, and 0.44 GB with tiles last on 2026-11-27)."""
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True))
+  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                      compiler_params=_PARAMS, **_THREADS)
 
 
 def _launch_accumulating(entry, out_type, grid, grid_names):
@@ -489,8 +492,7 @@ def _launch_accumulating(entry, out_type, grid, grid_names):
   which ``pl.kernel`` aliases in and out, inside ``pl.run_state`` so that the
   call stays a function of its operands. ``entry`` sees the accumulator last,
   as with :func:`_launch`."""
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3,
-                    thread_name="wg")
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **_THREADS)
   *outs, acc = out_type
 
   def call(*operands):
@@ -503,8 +505,7 @@ def _launch_accumulating(entry, out_type, grid, grid_names):
       acc_ref, out_refs = refs
       with compat.without_vma_check():
         res = pl.kernel(body, out_type=tuple(outs), mesh=mesh,
-                        compiler_params=plgpu.CompilerParams(approx_math=True))(
-                            *operands, acc_ref)
+                        compiler_params=_PARAMS)(*operands, acc_ref)
       for ref, x in zip(out_refs, res):
         ref[...] = x
 
@@ -514,10 +515,18 @@ def _launch_accumulating(entry, out_type, grid, grid_names):
   return call
 
 
-def _summing(make_call, g: Geometry, operands):
-  """``make_call(g)(*operands)``, whose last result is dS for dbias. With
-  ``g.ds_batch_sum`` under ``vmap``, where a Ref cannot batch, the vmapped
-  kernels write each row's dS (``plgpu.kernel`` batches them) and XLA sums it."""
+def _launch_dq(program, g: Geometry, operands):
+  """Runs ``program(g) = (entry, out_type, ctas)``, a linear grid of ``ctas``
+  CTAs with the dQ kernel's (geometry ``g``), on ``operands``. With
+  ``g.ds_batch_sum`` the last output, dS for dbias, is the kernel's sum
+  (:func:`_launch_accumulating`); under ``vmap``, where a Ref cannot batch,
+  the vmapped kernels write each row's dS (``plgpu.kernel`` batches them) and
+  XLA sums it."""
+  def make_call(g):
+    entry, out_type, ctas = program(g)
+    launch = _launch_accumulating if g.ds_batch_sum else _launch
+    return launch(entry, out_type, (ctas,), ("t",))
+
   if not g.ds_batch_sum:
     return make_call(g)(*operands)
   assert g.bias_grad, "the dS batch sum is dbias's"
@@ -533,17 +542,25 @@ def _summing(make_call, g: Geometry, operands):
   return call(*operands)
 
 
+def _tiles_fastest(i, tiles: int, heads: int):
+  """Linear CTA index -> (tile, head, batch), tiles fastest."""
+  hb = lax.div(i, jnp.int32(tiles))
+  return (lax.rem(i, jnp.int32(tiles)), lax.rem(hb, jnp.int32(heads)),
+          lax.div(hb, jnp.int32(heads)))
+
+
 def _dq_where(g: Geometry, i):
   """dQ CTA ``i`` -> (query tile, head, batch): tiles fastest, so the CTAs in
   flight share one head's K and V in L2; batch-fastest for the kernel's dS
   batch sum, whose adds to one tile then come close in time and meet in L2."""
   if g.ds_batch_sum:
     rest = lax.div(i, jnp.int32(g.batch))
-    return (_dq_tile(g, lax.rem(rest, jnp.int32(g.num_q_tiles))),
-            lax.div(rest, jnp.int32(g.num_q_tiles)), lax.rem(i, jnp.int32(g.batch)))
-  hb = lax.div(i, jnp.int32(g.num_q_tiles))
-  return (_dq_tile(g, lax.rem(i, jnp.int32(g.num_q_tiles))),
-          lax.rem(hb, jnp.int32(g.heads_q)), lax.div(hb, jnp.int32(g.heads_q)))
+    tile, h = lax.rem(rest, jnp.int32(g.num_q_tiles)), lax.div(
+        rest, jnp.int32(g.num_q_tiles))
+    b = lax.rem(i, jnp.int32(g.batch))
+  else:
+    tile, h, b = _tiles_fastest(i, g.num_q_tiles, g.heads_q)
+  return _dq_tile(g, tile), h, b
 
 
 def _run(kernel, scoped, ins, outs, where, seg_refs):
@@ -921,7 +938,7 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   (:func:`_ds_type`; else None)."""
   n = len(segments)
 
-  def make_call(g):
+  def program(g):
     scoped, kernel = _dq_program(g, q.dtype)
 
     def entry(*refs):
@@ -931,11 +948,10 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
            _dq_where(g, lax.axis_index("t")), rest[:n])
 
     q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
-    launch = _launch_accumulating if g.ds_batch_sum else _launch
-    return launch(entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
-                  (g.batch * g.heads_q * g.num_q_tiles,), ("t",))
+    return (entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
+            g.batch * g.heads_q * g.num_q_tiles)
 
-  res = _summing(make_call, g, (q, k, v, do, stats, *_optional(seed, bias),
+  res = _launch_dq(program, g, (q, k, v, do, stats, *_optional(seed, bias),
                                 *segments))
   return res[0], (res[1] if g.bias_grad else None)
 
@@ -956,13 +972,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   first_dq = n_kv * heads * g_dq.batch
   n1, n2 = len(seg_dq), len(seg_dkv)
 
-  def dkv_where(i):
-    """Linear CTA index -> (tile, head, batch), tiles fastest."""
-    hb = lax.div(i, jnp.int32(n_kv))
-    return lax.rem(i, jnp.int32(n_kv)), lax.rem(hb, jnp.int32(heads)), lax.div(
-        hb, jnp.int32(heads))
-
-  def make_call(g_dq):
+  def program(g_dq):
     dq_scoped, dq_kernel = _dq_program(g_dq, q.dtype)
 
     def entry(*refs):
@@ -977,7 +987,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
       @pl.when(t < first_dq)
       def _():
         _run(dkv_kernel, dkv_scoped, ins[:6] + (bias_t_ref,), (dk_ref, dv_ref),
-             dkv_where(t), dkv_seg)
+             _tiles_fastest(t, n_kv, heads), dkv_seg)
 
       @pl.when(t >= first_dq)
       def _():
@@ -989,9 +999,8 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
     out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
                 jax.ShapeDtypeStruct(kv_shape, q.dtype),
                 jax.ShapeDtypeStruct(kv_shape, q.dtype)) + _ds_type(g_dq)
-    launch = _launch_accumulating if g_dq.ds_batch_sum else _launch
-    return launch(entry, out_type, (first_dq + n_q * heads * g_dq.batch,), ("t",))
+    return entry, out_type, first_dq + n_q * heads * g_dq.batch
 
-  res = _summing(make_call, g_dq, (q, k, v, do, stats,
+  res = _launch_dq(program, g_dq, (q, k, v, do, stats,
                                    *_optional(seed, bias, bias_t), *seg_dq, *seg_dkv))
   return tuple(res[:3]) + (res[3] if g_dq.bias_grad else None,)

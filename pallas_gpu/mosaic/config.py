@@ -292,8 +292,8 @@ def fixed_backward_tiles(spec) -> str | None:
   and dO blocks: 192 KiB of the 227 at D = 256. With an additive tile the dQ
   kernel holds two stages of its 64 x 64 tiles and a dS stage (bf16 with a
   bf16 tile, 177 KiB in all; fp32 with an fp16 tile or for the batch sum,
-  193 KiB) beside its D = 128 blocks. Any larger block or a third stage did not fit beside the fp32
-  stage; beside the bf16 one that is not measured."""
+  193 KiB) beside its D = 128 blocks. Any larger block or a third stage did
+  not fit beside the fp32 stage; beside the bf16 one that is not measured."""
   if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
     return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
   if has_additive_tile(spec):
