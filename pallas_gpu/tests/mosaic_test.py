@@ -21,6 +21,17 @@ from flashjax.pallas_gpu.triton import pallas_triton
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 
+def _attention_with(config_of):
+  """``mosaic.flash_attention`` whose config is ``config_of(spec, default)``
+  for each call's spec."""
+  def attention(q, k, v, **kwargs):
+    spec = spec_lib.canonicalize(
+        q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
+    config = config_of(spec, mosaic.default_config(spec))
+    return mosaic.flash_attention(q, k, v, config=config, **kwargs)
+  return attention
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU; "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpu(conformance.ConformanceSuite):
@@ -70,12 +81,8 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
   def test_two_launch_backward(self, kw):
     """The dQ and dK/dV kernels as two launches (the default over long full
     bands, config.two_launch_backward)."""
-    def attention(q, k, v, **kwargs):
-      spec = spec_lib.canonicalize(
-          q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
-      cfg = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=False)
-      return mosaic.flash_attention(q, k, v, config=cfg, **kwargs)
-    self.attention = attention
+    self.attention = _attention_with(
+        lambda spec, cfg: dataclasses.replace(cfg, bwd_one_launch=False))
     self.check(conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=384, seed=43), **kw}))
 
   @pytest.mark.parametrize("one_launch,causal,dropout", [
@@ -84,12 +91,14 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     """A bf16 bias broadcast over 8 batch rows: the dQ kernel adds each row's
     dS into one fp32 sum (blocks.Geometry.ds_batch_sum), in one launch or two,
     and beside dropout (whose row stats take more shared memory)."""
+    def config_of(spec, cfg):
+      assert mosaic.sums_dbias_in_kernel(spec)
+      return dataclasses.replace(cfg, bwd_one_launch=one_launch)
+    summing = _attention_with(config_of)
+
     def attention(q, k, v, **kwargs):
-      spec = spec_lib.canonicalize(
-          q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
-      assert mosaic.sums_dbias_in_kernel(spec) and kwargs["bias"].dtype == jnp.bfloat16
-      cfg = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
-      return mosaic.flash_attention(q, k, v, config=cfg, **kwargs)
+      assert kwargs["bias"].dtype == jnp.bfloat16  # an fp32 one leaves Mosaic
+      return summing(q, k, v, **kwargs)
     self.attention = attention
     self.check(conformance.Case(batch=8, seq_q=256, seq_k=320, heads_q=2, heads_kv=2,
                                 bias_shape=(1, -1, -1, -1), bias_dtype="input",
@@ -121,16 +130,13 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     CTA; outputs and gradients against the reference, and out and lse bit for
     bit those of one CTA per tile."""
     def config(balanced):
-      def attention(q, k, v, **kwargs):
-        lse = kwargs.pop("return_lse", False)
-        spec = spec_lib.canonicalize(q, k, v, **kwargs)[1]
-        cfg = configs.with_part(mosaic.default_config(spec), "fwd",
-                                persistent=balanced, balanced=balanced)
+      def config_of(spec, cfg):
+        cfg = configs.with_part(cfg, "fwd", persistent=balanced, balanced=balanced)
         g = mosaic.geometry(spec, cfg)
         assert g.segments and g.balanced == balanced
         assert bool(g.persistent_ctas) == balanced
-        return mosaic.flash_attention(q, k, v, config=cfg, return_lse=lse, **kwargs)
-      return attention
+        return cfg
+      return _attention_with(config_of)
     case = conformance.Case(**{**dict(batch=2, seq_q=2048, seq_k=2048, heads_q=8,
                                       heads_kv=8, head_dim=128, seed=3), **kw})
     self.attention = config(True)
