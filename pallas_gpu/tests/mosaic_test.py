@@ -55,14 +55,14 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     return mosaic.flash_attention(q, k, v, **kwargs)
 
   def may_vary(self, case):
-    """dbias where the dQ kernel sums it with atomic adds: a bias in the
-    inputs' dtype (an fp32 one takes Pallas-Triton's backward) broadcast over
-    at least DBIAS_KERNEL_SUM_MIN_BATCH batch rows."""
-    shape = case.bias_shape
-    summed = (shape is not None and case.bias_dtype == "input"
-              and (len(shape) < 4 or shape[0] == 1)
-              and case.batch >= mosaic_config.DBIAS_KERNEL_SUM_MIN_BATCH)
-    return frozenset({"bias"} if summed else ())
+    """dbias where the dQ kernel sums it with atomic adds
+    (``config.sums_dbias_in_kernel``), for a bias in the inputs' dtype (an
+    fp32 one takes Pallas-Triton's backward)."""
+    if case.bias_shape is None or case.bias_dtype != "input":
+      return frozenset()
+    diff, const, static = conformance.make_inputs(case)
+    spec = spec_lib.canonicalize(**diff, **const, **static)[1]
+    return frozenset({"bias"} if mosaic.sums_dbias_in_kernel(spec) else ())
 
   @pytest.mark.parametrize("kw", [
       dict(), dict(causal=True), dict(seq_q=300, seq_k=200, sliding_window=(50, 10)),
