@@ -102,23 +102,27 @@ BALANCED_MAX_KEYS = 8192
 # was even with one CTA per tile at 16384 without ids (not measured with ids).
 PACKED_BALANCED_MAX_KEYS = 16384
 
-# The forward's additive tile shares shared memory with the K/V ring: beside a
-# bias's (bf16 or fp32) fit 64-key blocks in two stages; beside a mask's alone
-# (float8, half the bytes of bf16) 128-key blocks in two stages too, without the
-# output's own staging buffer.
-BIAS_FORWARD = MosaicForward(block_kv=64, num_stages=2)
-MASK_FORWARD = MosaicForward(block_kv=128, num_stages=2)
+# The forward's additive tile shares shared memory with the K/V ring
+# (fwd.smem_bytes): 64-key blocks in two stages fit beside any tile; 128-key
+# blocks in two stages beside a 16-bit one (a bias in the inputs' dtype; a
+# mask alone's float8 tile, with the output's own staging buffer too), but not
+# beside a 16-bit tile and segment ids' buffers together.
+NARROW_FORWARD = MosaicForward(block_kv=64, num_stages=2)
+WIDE_FORWARD = MosaicForward(block_kv=128, num_stages=2)
 
 
-def additive_forwards(spec) -> tuple[MosaicForward, ...]:
-  """The forward tiles that fit beside ``spec``'s additive tile, the default
-  first; empty without one. A mask alone takes 128-key blocks: on an H200
-  (2026-11-28, B8 S2k and B2 S8k, H16 D128) its forward ran 1.06-1.18x faster
-  than with 64-key blocks, causal or not
+def additive_forwards(spec, tile_itemsize: int = 2) -> tuple[MosaicForward, ...]:
+  """The forward tiles that fit beside ``spec``'s additive tile of
+  ``tile_itemsize``-byte elements (``mosaic.additive_tile``; a mask alone's
+  is float8), the default first; empty without one. A mask alone takes 128-key
+  blocks: on an H200 (2026-11-28, B8 S2k and B2 S8k, H16 D128) its forward ran
+  1.06-1.18x faster than with 64-key blocks, causal or not
   (docs/reports/2026-11-28-h200-mask-tile.md)."""
   if not has_additive_tile(spec):
     return ()
-  return (MASK_FORWARD, BIAS_FORWARD) if mask_alone(spec) else (BIAS_FORWARD,)
+  if mask_alone(spec) or (tile_itemsize == 2 and not spec.has_segment_ids):
+    return (WIDE_FORWARD, NARROW_FORWARD)
+  return (NARROW_FORWARD,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

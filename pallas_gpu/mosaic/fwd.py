@@ -79,20 +79,47 @@ from .blocks import (Geometry, balanced_order, band_walk, dropout_col_keys,
                      tile_coords, tiles_of_cta, unit_tile, walks_ahead, windows)
 
 
-# Hopper allows 227 KiB of shared memory per CTA; leave room for barriers and
-# Mosaic's reduction scratch.
-SMEM_BUDGET = 220 * 1024
+# Hopper gives a CTA 227 KiB (232,448 bytes) of shared memory. Mosaic-GPU
+# aligns each buffer to 1 KiB; the barriers take about 120 bytes.
+SMEM_BYTES = 227 * 1024
+_BARRIERS = 1024
+
+# Every row max and sum here reduces within a warp (the WGMMA layout keeps a
+# row's columns in one warp's lanes), so the kernel needs none of the 2 KiB
+# Mosaic-GPU reserves by default for cross-warp reductions (Mosaic raises at
+# lowering if one ever does). Those 2 KiB kept out a 16-bit bias tile beside
+# 128-key blocks, and a float8 mask tile beside 128-key blocks and the output's
+# own staging buffer: 232,568 bytes against 232,448.
+_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+
+
+def smem_bytes(g: Geometry, separate_o: bool) -> int:
+  """The forward's shared memory: Q (two warpgroup blocks), the K/V ring, the
+  lse staging, the additive tile's ring, the segment buffers and, with
+  ``separate_o``, the output's own staging buffer."""
+  item = 2  # bf16/fp16
+  bq, bk, d, stages = g.block_q, g.block_kv, g.head_dim, g.num_stages
+  q = 2 * bq * d * item
+  bufs = [q, stages * bk * d * item, stages * bk * d * item, 2 * bq * 4]
+  if separate_o:
+    bufs.append(q)
+  if g.bias_dtype is not None:
+    bufs.append(stages * 2 * bq * bk * jnp.dtype(g.bias_dtype).itemsize)
+  if g.segments:
+    bufs += [2 * 2 * bq * 4] if g.segment_spans else [2 * bq * 4, stages * bk * 4]
+  return sum(-(-b // 1024) * 1024 for b in bufs) + _BARRIERS
 
 
 def separate_out_smem(g: Geometry) -> bool:
-  """Whether a staging buffer for the output fits beside Q and the K/V ring; if
-  not, the output is staged in Q's buffer and the next Q load waits for the store."""
-  item = 2  # bf16/fp16
-  q_bytes = 2 * g.block_q * g.head_dim * item
-  ring = 2 * g.num_stages * g.block_kv * g.head_dim * item
-  if g.bias_dtype is not None:
-    ring += g.num_stages * 2 * g.block_q * g.block_kv * jnp.dtype(g.bias_dtype).itemsize
-  return 2 * q_bytes + ring + 2 * g.block_q * 4 <= SMEM_BUDGET
+  """Whether the output gets a staging buffer of its own; if not, it is staged
+  in Q's buffer and the next Q load waits for the store. Beside a float8 mask
+  tile and 128-key blocks the buffer fits, but the forward was no faster with
+  it (H200, 2026-11-28, B8 S2k and B2 S8k, causal or not: 0.749-0.801x of the
+  call without the mask against 0.737-0.809x staged in Q), so it is only
+  taken where no additive tile rides with 128-key blocks."""
+  if g.bias_dtype is not None and g.block_kv > 64:
+    return False
+  return smem_bytes(g, True) <= SMEM_BYTES
 
 
 def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
@@ -419,7 +446,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
   outs = plgpu.kernel(
       entry, out_type=out_type, grid=(ctas,), grid_names=("cta",),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=_PARAMS,
   )(q, k, v, *segments, *(() if bias is None else (bias,)),
     *(() if seed is None else (seed,)), *(() if order is None else (order,)))
   if tail is None:

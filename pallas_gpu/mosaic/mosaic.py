@@ -313,7 +313,8 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   explicit = config is not None
   config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
   tiles = lambda c: (c.block_kv, c.num_stages)
-  fits = additive_forwards(spec)
+  fits = (additive_forwards(spec, _tile_dtype(ops, spec).itemsize)
+          if has_additive_tile(spec) else ())
   if fits and tiles(config.fwd) not in [tiles(f) for f in fits]:
     if explicit:
       what = "a mask" if mask_alone(spec) else "a bias"

@@ -484,8 +484,9 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
 
 def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
   """A mask alone rides as float8_e5m2 0 / -inf (exact, half a bf16 tile's
-  bytes), which leaves shared memory for 128-key forward blocks (the default;
-  64-key ones allowed); a bias keeps its dtype and 64-key blocks."""
+  bytes); a bias keeps its dtype. 128-key forward blocks (the default; 64-key
+  ones allowed) fit beside a 16-bit or float8 tile, but not an fp32 one, nor
+  a 16-bit one and segment ids."""
   sd = jax.ShapeDtypeStruct
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (2, 200, 2, 64), jnp.bfloat16)
@@ -512,19 +513,42 @@ def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
                                              head_dim=128, **kw)
   m = sd((1, 1, 256, 256), jnp.bool_)
   b = sd((1, 2, 256, 256), jnp.bfloat16)
-  tiles = lambda s: [(f.block_kv, f.num_stages) for f in mosaic_config.additive_forwards(s)]
-  assert tiles(spec(mask=m)) == [(128, 2), (64, 2)]
-  assert tiles(spec(mask=m, causal=True)) == [(128, 2), (64, 2)]
-  assert tiles(spec(bias=b)) == tiles(spec(bias=b, mask=m)) == [(64, 2)]
+  ids = sd((1, 256), jnp.int32)
+  tiles = lambda s, item=2: [(f.block_kv, f.num_stages)
+                             for f in mosaic_config.additive_forwards(s, item)]
+  wide, narrow = (128, 2), (64, 2)
+  assert tiles(spec(mask=m), 1) == tiles(spec(mask=m, causal=True), 1) == [wide, narrow]
+  assert tiles(spec(mask=m, segment_ids=(ids, ids)), 1) == [wide, narrow]
+  assert tiles(spec(bias=b)) == tiles(spec(bias=b, mask=m)) == [wide, narrow]
+  assert tiles(spec(bias=b), 4) == tiles(spec(bias=b, segment_ids=(ids, ids))) == [narrow]
   assert tiles(spec()) == []
   for s in (spec(mask=m), spec(mask=m, causal=True), spec(bias=b)):
     assert mosaic.default_config(s).fwd.block_kv == tiles(s)[0][0]
-  # Beside 128-key blocks and a float8 tile the output is staged in Q's buffer.
-  g = dataclasses.replace(mosaic.geometry(spec(mask=m), mosaic.default_config(spec(mask=m))),
-                          bias_dtype="float8_e5m2")
+  # What the tiles allow fits Hopper's shared memory (fwd.smem_bytes counts
+  # each buffer at Mosaic-GPU's 1 KiB alignment); the output has its own
+  # staging buffer beside 64-key blocks only.
   from flashjax.pallas_gpu.mosaic import fwd as mosaic_fwd
-  assert g.block_kv == 128 and not mosaic_fwd.separate_out_smem(g)
-  assert mosaic_fwd.separate_out_smem(dataclasses.replace(g, block_kv=64))
+  g0 = mosaic.geometry(spec(bias=b), mosaic.default_config(spec(bias=b)))
+  staged = {}
+  for dtype in ("float8_e5m2", "bfloat16", "float32"):
+    for seg in (False, True):
+      kw = dict(mask=m) if dtype == "float8_e5m2" else dict(bias=b)
+      s = spec(segment_ids=(ids, ids), **kw) if seg else spec(**kw)
+      for f in mosaic_config.additive_forwards(s, jnp.dtype(dtype).itemsize):
+        g = dataclasses.replace(g0, block_kv=f.block_kv, num_stages=f.num_stages,
+                                bias_dtype=dtype, segments=seg)
+        assert mosaic_fwd.smem_bytes(g, False) <= mosaic_fwd.SMEM_BYTES, (dtype, seg, f)
+        staged[dtype, seg, f.block_kv] = mosaic_fwd.separate_out_smem(g)
+  assert staged == {("float8_e5m2", False, 128): False, ("float8_e5m2", False, 64): True,
+                    ("float8_e5m2", True, 128): False, ("float8_e5m2", True, 64): True,
+                    ("bfloat16", False, 128): False, ("bfloat16", False, 64): True,
+                    ("bfloat16", True, 64): True, ("float32", False, 64): True,
+                    ("float32", True, 64): True}
+  # Mosaic-GPU asked for 232,568 bytes for the float8 tile, 128-key blocks and
+  # the staging buffer with its 2 KiB reduction scratch (H200): the model's
+  # buffers, and 120 bytes of barriers.
+  g = dataclasses.replace(g0, block_kv=128, num_stages=2, bias_dtype="float8_e5m2")
+  assert mosaic_fwd.smem_bytes(g, True) - mosaic_fwd._BARRIERS == 232_568 - 2048 - 120
   # Swizzled rows of the tile: up to 128 bytes, a 64-key float8 row's 64.
   swz = lambda dtype, width: [(t.tiling if hasattr(t, "tiling") else t.swizzle)
                               for t in mosaic_blocks.additive_tiling(dtype, width)]
@@ -536,36 +560,50 @@ def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_both_mask_forward_tiles_match_the_reference(causal):
-  """A mask alone: the forward with either tile it allows (128 or 64 keys
-  beside the float8 tile) and the backward give the reference's output, lse
-  and gradients; other tiles raise, naming the allowed ones."""
+@pytest.mark.parametrize("kind", ["mask", "bias"])
+def test_both_additive_forward_tiles_match_the_reference(kind, causal):
+  """A mask alone or a bf16 bias: the forward with either tile it allows (128
+  or 64 keys beside the float8 or bf16 tile) and the backward give the
+  reference's output, lse and gradients; other tiles, and 128-key ones beside
+  an fp32 bias, raise, naming the allowed ones."""
   from flashjax.common import reference
-  keys = jax.random.split(jax.random.key(5), 5)
+  keys = jax.random.split(jax.random.key(5), 6)
   q = jax.random.normal(keys[0], (2, 320, 2, 128), jnp.bfloat16)
   k, v = (jax.random.normal(x, (2, 448, 2, 128), jnp.bfloat16) for x in keys[1:3])
   do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
-  mask = jax.random.bernoulli(keys[4], 0.8, (2, 1, 320, 448))
-  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(jnp.float32) *
-                                           do.astype(jnp.float32))
-  ref = lambda q, k, v: reference.attention(q, k, v, mask=mask, causal=causal,
-                                            return_lse=True)
-  want = ref(q, k, v)
-  want_grads = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  if kind == "mask":
+    extra = dict(mask=jax.random.bernoulli(keys[4], 0.8, (2, 1, 320, 448)))
+  else:
+    extra = dict(bias=jax.random.normal(keys[4], (1, 2, 320, 448), jnp.bfloat16))
+  loss = lambda f: lambda q, k, v, *b: jnp.sum(
+      f(q, k, v, *b)[0].astype(jnp.float32) * do.astype(jnp.float32))
+  args = (q, k, v) + ((extra["bias"],) if kind == "bias" else ())
+  with_extra = lambda *b: dict(bias=b[0]) if b else extra
+  ref = lambda q, k, v, *b: reference.attention(q, k, v, causal=causal, return_lse=True,
+                                                **with_extra(*b))
+  want = ref(*args)
+  wrt = tuple(range(len(args)))
+  want_grads = jax.grad(loss(ref), wrt)(*args)
   for block_kv in (128, 64):
     cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=block_kv))
-    f = lambda q, k, v: mosaic.flash_attention(q, k, v, mask=mask, causal=causal,
-                                               config=cfg, return_lse=True)
-    out, lse = jax.jit(f)(q, k, v)
+    f = lambda q, k, v, *b: mosaic.flash_attention(q, k, v, causal=causal, config=cfg,
+                                                   return_lse=True, **with_extra(*b))
+    out, lse = jax.jit(f)(*args)
     tolerances.assert_close(out, want[0], tolerances.forward(jnp.bfloat16), name="out")
     tolerances.assert_close(lse, want[1], tolerances.forward(jnp.bfloat16), name="lse")
-    grads = jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)
-    for name, a, b in zip("qkv", grads, want_grads):
-      tolerances.assert_close(a, b, tolerances.grad(jnp.bfloat16), name="d" + name)
+    grads = jax.jit(jax.grad(loss(f), wrt))(*args)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
+      tolerances.assert_close(a, b, tolerances.grad(jnp.bfloat16), name=name)
   cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=128, num_stages=3))
-  with pytest.raises(ValueError, match="with a mask, the forward's tiles must be "
+  with pytest.raises(ValueError, match=f"with a {kind}, the forward's tiles must be "
                      "fwd.block_kv=.*got fwd.block_kv=128, fwd.num_stages=3"):
-    mosaic.flash_attention(q, k, v, mask=mask, causal=causal, config=cfg)
+    mosaic.flash_attention(q, k, v, causal=causal, config=cfg, **extra)
+  if kind == "bias":
+    cfg = mosaic.MosaicConfig(fwd=mosaic.MosaicForward(block_kv=128))
+    with pytest.raises(ValueError, match=r"must be fwd.block_kv=64, fwd.num_stages=2 "
+                       r"\(.*got fwd.block_kv=128, fwd.num_stages=2"):
+      mosaic.flash_attention(q, k, v, causal=causal, config=cfg,
+                             bias=extra["bias"].astype(jnp.float32))
 
 
 def test_launch_defaults():
