@@ -266,7 +266,8 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
               x = (s2 * g.softmax_scale + tile_bias) * (1.0 / cap)
             s2, mult = jnp.tanh(x) * (cap * LOG2E), 1.0
           elif tile_bias is not None:
-            s2, mult = s2 * scale2 + tile_bias * LOG2E, 1.0
+            # Natural-log units, one FMA; log2(e) rides in the exp2 argument.
+            s2, mult = s2 * g.softmax_scale + tile_bias, LOG2E
           else:
             # The scale rides in the exp2 argument (one FMA per element); the row
             # max commutes with a positive scale.
