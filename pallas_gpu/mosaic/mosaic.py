@@ -6,8 +6,8 @@ a CTA sharing one block in roles), on this forward's output and lse. Segment
 ids narrow every kernel's walk to the blocks the ids leave visible
 (common/segments.py). A bias or dense mask over whole ``[Sq, Sk]`` slices runs
 as one additive tile (head dims up to 128; a mask alone as float8 0 / -inf):
-the forward streams it with K (64-key blocks beside a bias, 128-key beside a
-mask alone), the dQ kernel too, writing dS for dbias, and the dK/dV kernel its
+the forward streams it with K (128-key blocks beside a 16-bit tile, 64-key
+beside an fp32 one: config.additive_forwards), the dQ kernel too, writing dS for dbias, and the dK/dV kernel its
 transpose with Q; an fp32 bias, whose tile stays fp32, takes
 Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
 global coordinates of its tiles with common/dropout.py (the backward's row
