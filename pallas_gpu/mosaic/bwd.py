@@ -53,7 +53,8 @@ dP, both scaled by 1 / (1 - rate).
 
 Bias and dense mask (``Geometry.bias_dtype``, head dims up to 128): the
 forward's additive tile (mosaic.additive_tile) comes with each K block in the
-dQ kernel and, transposed by XLA, with each Q block in the dK/dV kernel. With a
+dQ kernel and with each Q block in the dK/dV kernel, which reads its blocks
+transposed (pipeline.slot_tile: in registers, not by a copy of the tile). With a
 bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
 a ``[B, Hq, Sqp, Skp]`` array for dbias (bf16 with a bf16 tile, else fp32;
 :func:`ds_dtype`; summed in fp32 by XLA), zeros where its walk does not reach.
@@ -207,7 +208,8 @@ def _dkv_program(g: Geometry, dtype):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
   ``kernel(q, k, v, do, stats, seed, bias, dk, dv, (tile, head, batch), seg,
   *scoped)`` for key tile ``tile`` of one (query head, batch); ``seed``: the
-  dropout words (or None); ``bias``: the transposed additive tile (or None);
+  dropout words (or None); ``bias``: the additive tile (or None), read
+  transposed;
   ``seg``: the segment refs (kv ids, q ids, table), shared memory and
   barriers, or None.
 
@@ -280,10 +282,10 @@ def _dkv_program(g: Geometry, dtype):
         return compat.mgpu_load(st_smem.at[slot, i], plgpu.Layout.WGMMA.reduce(0))
 
       def bias_tile_t(slot, load=True):
-        """This warpgroup's keys of the slot's transposed additive tile."""
+        """This warpgroup's keys by the slot's rows of the additive tile."""
         if not additive:
           return None
-        return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load)
+        return pipeline.slot_tile(bias_smem, bias_bar, slot, wg, load, transposed=True)
 
       def probs_t(s, slot, masked: bool):
         """P^T of step ``s`` with the band's and the ids' zeros, tanh of the
@@ -440,9 +442,9 @@ def _dkv_program(g: Geometry, dtype):
     if additive:
       load_q = pipeline.with_tile(load_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
                                   lambda w: pl.ds((tile * 2 + w) * bk, bk),
-                                  lambda s: pl.ds(s * bq, bq))
-    # dO is released after dV and dP^T, Q, the row stats (and the transposed
-    # additive tile) after dK.
+                                  lambda s: pl.ds(s * bq, bq), transposed=True)
+    # dO is released after dV and dP^T, Q, the row stats (and the additive
+    # tile) after dK.
     pl.when(wg == 2)(lambda: pipeline.produce(
         lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q)), registers(g)[1]))
 
@@ -460,7 +462,8 @@ def _dkv_program(g: Geometry, dtype):
     smem += (plgpu.SMEM((2, bk, bq), jnp.float16, transforms=tiled),)
     bars += (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
   if additive:
-    tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bk, bq)
+    tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bk, bq,
+                                               transposed=True)
     smem, bars = smem + (tile_smem,), bars + (tile_bars,)
   return (smem, bars, _free(stages)) + pipeline.segment_scoped(g, bk, bq), kernel
 
@@ -620,7 +623,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   dropout: the int32 words of
   ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
   row's dropout key in two more rows; ``bias`` with ``g.bias_dtype``: the
-  forward's additive tile transposed, ``[B|1, H|1, Skp, Sqp]``. Returns ``dk, dv
+  forward's additive tile ``[B|1, H|1, Sqp, Skp]``. Returns ``dk, dv
   [B, Skp, Hq, D]`` per query head (q's dtype)."""
   scoped, kernel = _dkv_program(g, q.dtype)
   n = len(segments)
@@ -957,11 +960,11 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
 
 
 def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
-           seg_dkv=(), seed=None, bias=None, bias_t=None):
+           seg_dkv=(), seed=None, bias=None):
   """:func:`dq` and :func:`dkv` in one launch: every dK/dV CTA first (tiles
   fastest, so CTAs in flight share one head's Q and dO in L2), then every dQ CTA.
-  The two grids' tails become one, filled by the shorter dQ CTAs. ``bias`` and
-  ``bias_t``: the additive tile and its transpose. Returns ``(dq, dk, dv, ds or
+  The two grids' tails become one, filled by the shorter dQ CTAs. ``bias``: the
+  additive tile, which both kernels read. Returns ``(dq, dk, dv, ds or
   None)``."""
   assert g_dq.batch == g_dkv.batch and g_dq.heads_q == g_dkv.heads_q
   # Both kernels read their operands through g_dq's windows (_inputs).
@@ -978,15 +981,12 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
     def entry(*refs):
       t = lax.axis_index("t")
       ins, rest = _inputs(refs, seed, bias, g_dq)
-      bias_t_ref = None
-      if bias_t is not None:
-        bias_t_ref, rest = rest[0], rest[1:]
       dq_seg, dkv_seg = rest[:n1], rest[n1:n1 + n2]
       dq_ref, dk_ref, dv_ref, *ds_ref = rest[n1 + n2:]
 
       @pl.when(t < first_dq)
       def _():
-        _run(dkv_kernel, dkv_scoped, ins[:6] + (bias_t_ref,), (dk_ref, dv_ref),
+        _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref),
              _tiles_fastest(t, n_kv, heads), dkv_seg)
 
       @pl.when(t >= first_dq)
@@ -1002,5 +1002,5 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
     return entry, out_type, first_dq + n_q * heads * g_dq.batch
 
   res = _launch_dq(program, g_dq, (q, k, v, do, stats,
-                                   *_optional(seed, bias, bias_t), *seg_dq, *seg_dkv))
+                                   *_optional(seed, bias), *seg_dq, *seg_dkv))
   return tuple(res[:3]) + (res[3] if g_dq.bias_grad else None,)

@@ -7,8 +7,9 @@ ids narrow every kernel's walk to the blocks the ids leave visible
 (common/segments.py). A bias or dense mask over whole ``[Sq, Sk]`` slices runs
 as one additive tile (head dims up to 128; a mask alone as float8 0 / -inf):
 the forward streams it with K (128-key blocks beside a 16-bit tile, 64-key
-beside an fp32 one: config.additive_forwards), the dQ kernel too, writing dS for dbias, and the dK/dV kernel its
-transpose with Q; an fp32 bias, whose tile stays fp32, takes
+beside an fp32 one: config.additive_forwards), the dQ kernel too, writing dS
+for dbias, and the dK/dV kernel with Q, reading it transposed; an fp32 bias,
+whose tile stays fp32, takes
 Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
 global coordinates of its tiles with common/dropout.py (the backward's row
 keys come with the row stats). Features the kernels lack (fp32, a bias or
@@ -264,22 +265,19 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   seg_dq = segment_operands(ops, g_dq)
   seg_dkv = segment_operands(ops, g_dkv, over_kv=False)
   # The forward's additive tile: the dQ kernel streams it with K, the dK/dV
-  # kernel its transpose with Q (one XLA transpose: the dK/dV kernel's tiles are
-  # keys by rows).
+  # kernel with Q, reading its blocks transposed (its tiles are keys by rows).
   g_dq, tile = additive_tile(ops, spec, g_dq)
-  tile_t = None
   if tile is not None:
     g_dq = dataclasses.replace(g_dq, bias_grad=ops.bias is not None,
                                ds_batch_sum=sums_dbias_in_kernel(spec))
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
-    tile_t = jnp.swapaxes(tile, 2, 3)
   if static.config.bwd_one_launch:
     dq, dk, dv, ds = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
-                                seed, tile, tile_t)
+                                seed, tile)
   else:
     dq, ds = bwd.dq(q, k, v, do, stats, g_dq, seg_dq, seed, tile)
-    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed, tile_t)
+    dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed, tile)
   if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
     group = lambda x: x.astype(jnp.float32).reshape(
         x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)

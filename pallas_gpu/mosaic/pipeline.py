@@ -78,42 +78,58 @@ def with_ids(load, g, ids_ref, ids_smem, ids_bar, b_idx):
   return load_both
 
 
-def tile_slots(dtype, stages: int, own: int, streamed: int):
+def tile_slots(dtype, stages: int, own: int, streamed: int, transposed: bool = False):
   """Ring slots of the additive (bias / mask) tile, ``dtype``: per stage, both
   compute warpgroups' ``(own, streamed)`` tiles (rows by keys in the forward and
-  dQ; keys by rows, transposed, in dK/dV), and one barrier per stage and
+  dQ), or with ``transposed`` their ``(streamed, own)`` blocks of the tile, read
+  as ``(own, streamed)`` (keys by rows in dK/dV); and one barrier per stage and
   warpgroup."""
-  return (plgpu.SMEM((stages, 2, own, streamed), jnp.dtype(dtype),
-                     transforms=additive_tiling(dtype, streamed)),
+  shape = (streamed, own) if transposed else (own, streamed)
+  return (plgpu.SMEM((stages, 2) + shape, jnp.dtype(dtype),
+                     transforms=additive_tiling(dtype, shape[1])),
           plgpu.Barrier(num_barriers=2 * stages))
 
 
-def with_tile(load, g, tile_ref, smem, bars, b_idx, h, own_rows, streamed):
-  """``load(s, slot)`` that also copies both warpgroups' tiles of the additive
-  operand ``tile_ref [B|1, H|1, ., .]`` (rows ``own_rows(w)``, columns
-  ``streamed(s)``) into the slot of :func:`tile_slots`, one barrier per
-  warpgroup."""
+def with_tile(load, g, tile_ref, smem, bars, b_idx, h, own, streamed,
+              transposed: bool = False):
+  """``load(s, slot)`` that also copies both warpgroups' blocks of the additive
+  operand ``tile_ref [B|1, H|1, Sqp, Skp]`` into the slot of :func:`tile_slots`,
+  one barrier per warpgroup: rows ``own(w)`` by columns ``streamed(s)``, or with
+  ``transposed`` rows ``streamed(s)`` by columns ``own(w)``."""
   bi = b_idx if g.bias_batch else 0
   hi = h if g.bias_heads else 0
 
   def load_both(s, slot):
     load(s, slot)
     for w in (0, 1):
-      plgpu.copy_gmem_to_smem(tile_ref.at[bi, hi, own_rows(w), streamed(s)],
-                              smem.at[slot, w], bars.at[2 * slot + w])
+      at = (streamed(s), own(w)) if transposed else (own(w), streamed(s))
+      plgpu.copy_gmem_to_smem(tile_ref.at[(bi, hi) + at], smem.at[slot, w],
+                              bars.at[2 * slot + w])
   return load_both
 
 
-def slot_tile(smem, bars, slot, wg, load: bool = True, raw: bool = False):
+def slot_tile(smem, bars, slot, wg, load: bool = True, raw: bool = False,
+              transposed: bool = False):
   """Warpgroup ``wg``'s additive tile of ring slot ``slot`` (:func:`tile_slots`)
   in registers, as stored with ``raw`` (for :func:`tile_logits` later), else
   as fp32; None without ``load``. Every step waits, so the barriers' phases
-  stay in step."""
+  stay in step. A ``transposed`` slot is read through a transposed view into
+  the WGMMA_TRANSPOSED layout (each thread's pairs then lie along a stored
+  row) and moved to the WGMMA layout in registers (a lane shuffle and a byte
+  permute per register, 16-bit values only: a float8 tile goes as fp16), which
+  spares XLA a transposed copy of the whole tile."""
   plgpu.barrier_wait(bars.at[2 * slot + wg])
   if not load:
     return None
-  tile = compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA)
-  return tile if raw else tile_logits(tile)
+  if not transposed:
+    tile = compat.mgpu_load(smem.at[slot, wg], plgpu.Layout.WGMMA)
+    return tile if raw else tile_logits(tile)
+  assert not raw
+  tile = compat.mgpu_load(compat.transpose_ref(smem.at[slot, wg], (1, 0)),
+                          plgpu.Layout.WGMMA_TRANSPOSED)
+  if jnp.dtype(tile.dtype).itemsize == 1:
+    tile = tile.astype(jnp.float16)
+  return tile_logits(plgpu.layout_cast(tile, plgpu.Layout.WGMMA))
 
 
 def tile_logits(tile):
