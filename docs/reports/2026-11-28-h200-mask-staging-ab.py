@@ -3,7 +3,10 @@ output keeps its own staging buffer: run as ``python3 <this> BUDGET`` with
 BUDGET the forward's shared-memory budget in bytes (``default`` keeps
 fwd.SMEM_BUDGET; 230400 makes room for the buffer beside Q, the K/V ring and
 the tile, 229,888 bytes). Times the forward, in interleaved rounds per shape:
-the plain call, the masked call with 64-key and with 128-key blocks."""
+the plain call, the masked call with 64-key and with 128-key blocks.
+
+Ran at the tree of 2026-11-28 before fwd.SMEM_BUDGET gave way to
+fwd.smem_bytes (main before 4214e78); later trees ignore the budget."""
 
 import sys
 

@@ -5,7 +5,10 @@ plain call, the call with a dense [B, 1, S, S] mask (90% kept), the masked call
 with the forward's 64-key tiles pinned (where the tree allows a choice), and
 the call with a trained [1, H, S, S] bias; forward, then forward + backward
 (jax.grad in q, k, v and the bias). Prints one line per entry with its time and
-the plain call's time over it."""
+the plain call's time over it.
+
+Ran at the trees of 2026-11-28 before config.MASK_FORWARD was renamed
+(main before 4214e78); later trees skip the pinned 64-key entry."""
 
 import sys
 

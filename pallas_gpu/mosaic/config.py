@@ -104,20 +104,23 @@ PACKED_BALANCED_MAX_KEYS = 16384
 
 # The forward's additive tile shares shared memory with the K/V ring
 # (fwd.smem_bytes): 64-key blocks in two stages fit beside any tile; 128-key
-# blocks in two stages beside a 16-bit one (a bias in the inputs' dtype; a
-# mask alone's float8 tile, with the output's own staging buffer too), but not
-# beside a 16-bit tile and segment ids' buffers together.
+# blocks in two stages beside a mask alone's float8 tile (segment ids' buffers
+# too) and beside a 16-bit tile (a bias in the inputs' dtype), but not beside a
+# 16-bit tile and the buffers of segment ids streamed per slot. (With
+# contiguous segments' spans instead of streamed ids they would fit; not
+# measured, so any segment ids keep 64-key blocks beside a 16-bit tile.)
 NARROW_FORWARD = MosaicForward(block_kv=64, num_stages=2)
 WIDE_FORWARD = MosaicForward(block_kv=128, num_stages=2)
 
 
-def additive_forwards(spec, tile_itemsize: int = 2) -> tuple[MosaicForward, ...]:
+def additive_forwards(spec, tile_itemsize: int) -> tuple[MosaicForward, ...]:
   """The forward tiles that fit beside ``spec``'s additive tile of
   ``tile_itemsize``-byte elements (``mosaic.additive_tile``; a mask alone's
-  is float8), the default first; empty without one. A mask alone takes 128-key
-  blocks: on an H200 (2026-11-28, B8 S2k and B2 S8k, H16 D128) its forward ran
-  1.06-1.18x faster than with 64-key blocks, causal or not
-  (docs/reports/2026-11-28-h200-mask-tile.md)."""
+  is float8), the default first; empty without one. 128-key blocks where they
+  fit: on an H200 (2026-11-28, B8 S2k and B2 S8k, H16 D128, causal or not) the
+  forward ran 1.06-1.18x faster than with 64-key blocks beside a mask's tile
+  (docs/reports/2026-11-28-h200-mask-tile.md), 1.06-1.17x beside a bf16
+  bias's (docs/reports/2026-11-28-h200-bias-forward-tile.md)."""
   if not has_additive_tile(spec):
     return ()
   if mask_alone(spec) or (tile_itemsize == 2 and not spec.has_segment_ids):
@@ -219,13 +222,21 @@ def padded_head_dim(spec) -> int | None:
   return next((x for x in HEAD_DIMS if x >= d), None)
 
 
-def default_config(spec) -> MosaicConfig:
+def default_config(spec, tile_itemsize: int | None = None) -> MosaicConfig:
   """Shared memory holds 2 q blocks and ``num_stages`` K and V blocks: D = 256
-  keeps 64-key blocks so two stages fit in 227 KiB. The split tail only where it
-  was measured to pay (D = 64, long keys; see MosaicForward)."""
+  keeps 64-key blocks so two stages fit in 227 KiB. Beside an additive tile,
+  :func:`additive_forwards`' first for a tile of ``tile_itemsize``-byte
+  elements (``mosaic.tile_itemsize``); a bias's unknown (None), the tiles that
+  fit beside any. The split tail only where it was measured to pay (D = 64,
+  long keys; see MosaicForward)."""
   d = padded_head_dim(spec) or 256
   if has_additive_tile(spec):
-    fwd = additive_forwards(spec)[0]
+    # A bias's tile takes its dtype (``tile_itemsize`` bytes); not given, the
+    # forward tiles that fit beside any tile.
+    if mask_alone(spec) or tile_itemsize is not None:
+      fwd = additive_forwards(spec, 1 if mask_alone(spec) else tile_itemsize)[0]
+    else:
+      fwd = NARROW_FORWARD
   elif d <= 64:
     fwd = MosaicForward(block_kv=128, num_stages=3, split_tail=spec.seq_k > 2048)
   elif d <= 128:

@@ -112,12 +112,12 @@ def smem_bytes(g: Geometry, separate_o: bool) -> int:
 
 def separate_out_smem(g: Geometry) -> bool:
   """Whether the output gets a staging buffer of its own; if not, it is staged
-  in Q's buffer and the next Q load waits for the store. Beside a float8 mask
-  tile and 128-key blocks the buffer fits, but the forward was no faster with
-  it (H200, 2026-11-28, B8 S2k and B2 S8k, causal or not: 0.749-0.801x of the
-  call without the mask against 0.737-0.809x staged in Q), so it is only
-  taken where no additive tile rides with 128-key blocks."""
-  if g.bias_dtype is not None and g.block_kv > 64:
+  in Q's buffer and the next Q load waits for the store. At D = 128 beside a
+  float8 mask tile and 128-key blocks the buffer fits, but the forward was no
+  faster with it (H200, 2026-11-28, B8 S2k and B2 S8k, causal or not:
+  0.749-0.801x of the call without the mask against 0.737-0.809x staged in
+  Q), so there it is not taken."""
+  if g.bias_dtype is not None and g.block_kv > 64 and g.head_dim > 64:
     return False
   return smem_bytes(g, True) <= SMEM_BYTES
 

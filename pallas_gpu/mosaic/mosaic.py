@@ -6,11 +6,11 @@ a CTA sharing one block in roles), on this forward's output and lse. Segment
 ids narrow every kernel's walk to the blocks the ids leave visible
 (common/segments.py). A bias or dense mask over whole ``[Sq, Sk]`` slices runs
 as one additive tile (head dims up to 128; a mask alone as float8 0 / -inf):
-the forward streams it with K (128-key blocks beside a 16-bit tile, 64-key
-beside an fp32 one: config.additive_forwards), the dQ kernel too, writing dS
-for dbias, and the dK/dV kernel with Q, reading it transposed; an fp32 bias,
-whose tile stays fp32, takes
-Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
+the forward streams it with K (128-key blocks beside a float8 or 16-bit tile,
+64-key beside an fp32 one or a 16-bit one with segment ids:
+config.additive_forwards), the dQ kernel too, writing dS for dbias, and the
+dK/dV kernel with Q, reading it transposed; an fp32 bias, whose tile stays
+fp32, takes Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
 global coordinates of its tiles with common/dropout.py (the backward's row
 keys come with the row stats). Features the kernels lack (fp32, a bias or
 mask broadcast along Sq or Sk or with head dims over 128, a mask with a soft
@@ -294,11 +294,19 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
       sinks=dsinks)
 
 
-def resolve_config(spec, config: MosaicConfig | None) -> MosaicConfig:
+def tile_itemsize(ops, spec) -> int | None:
+  """The bytes of an element of the additive tile (:func:`additive_tile`),
+  None without one: what the forward's tiles must fit beside."""
+  return _tile_dtype(ops, spec).itemsize if has_additive_tile(spec) else None
+
+
+def resolve_config(spec, config: MosaicConfig | None,
+                   tile_itemsize: int | None = None) -> MosaicConfig:
   """Explicit, else cached, else tuned (FLASHJAX_AUTOTUNE=1 on a GPU), else the
-  heuristic (autotune.py, common/autotune.py)."""
+  heuristic (autotune.py, common/autotune.py; ``tile_itemsize`` as in
+  :func:`config.default_config`)."""
   return autotune.TUNER.resolve(spec, config, attention=flash_attention,
-                                default=default_config(spec),
+                                default=default_config(spec, tile_itemsize),
                                 may_tune=jax.default_backend() == "gpu")
 
 
@@ -309,10 +317,10 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   if jax.default_backend() != "gpu" or not hardware.is_hopper():
     raise NotImplementedError("needs a Hopper GPU")
   explicit = config is not None
-  config = platform.check_config(resolve_config(spec, config), MosaicConfig, NAME)
+  item = tile_itemsize(ops, spec)
+  config = platform.check_config(resolve_config(spec, config, item), MosaicConfig, NAME)
   tiles = lambda c: (c.block_kv, c.num_stages)
-  fits = (additive_forwards(spec, _tile_dtype(ops, spec).itemsize)
-          if has_additive_tile(spec) else ())
+  fits = additive_forwards(spec, item) if item is not None else ()
   if fits and tiles(config.fwd) not in [tiles(f) for f in fits]:
     if explicit:
       what = "a mask" if mask_alone(spec) else "a bias"

@@ -116,8 +116,8 @@ def slot_tile(smem, bars, slot, wg, load: bool = True, raw: bool = False,
   stay in step. A ``transposed`` slot is read through a transposed view into
   the WGMMA_TRANSPOSED layout (each thread's pairs then lie along a stored
   row) and moved to the WGMMA layout in registers (a lane shuffle and a byte
-  permute per register, 16-bit values only: a float8 tile goes as fp16), which
-  spares XLA a transposed copy of the whole tile."""
+  permute per register, for 16- and 32-bit values: a float8 tile goes as
+  fp16), which spares XLA a transposed copy of the whole tile."""
   plgpu.barrier_wait(bars.at[2 * slot + wg])
   if not load:
     return None

@@ -26,9 +26,9 @@ def _attention_with(config_of):
   """``mosaic.flash_attention`` whose config is ``config_of(spec, default)``
   for each call's spec."""
   def attention(q, k, v, **kwargs):
-    spec = spec_lib.canonicalize(
-        q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})[1]
-    config = config_of(spec, mosaic.default_config(spec))
+    ops, spec = spec_lib.canonicalize(
+        q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})
+    config = config_of(spec, mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)))
     return mosaic.flash_attention(q, k, v, config=config, **kwargs)
   return attention
 
@@ -456,8 +456,9 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
 
     def bwd(q, k, v, bias):
       ops, spec = spec_lib.canonicalize(q, k, v, bias=bias, causal=True)
-      config = dataclasses.replace(mosaic.default_config(spec),
-                                   bwd_one_launch=one_launch)
+      config = dataclasses.replace(
+          mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)),
+          bwd_one_launch=one_launch)
       static = platform.Static(dataclasses.replace(
           config, backward=pallas_triton.default_config(spec)))
       out, lse = mosaic.forward(ops, spec, static)
@@ -523,8 +524,12 @@ def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
   assert tiles(spec(bias=b)) == tiles(spec(bias=b, mask=m)) == [wide, narrow]
   assert tiles(spec(bias=b), 4) == tiles(spec(bias=b, segment_ids=(ids, ids))) == [narrow]
   assert tiles(spec()) == []
-  for s in (spec(mask=m), spec(mask=m, causal=True), spec(bias=b)):
+  for s in (spec(mask=m), spec(mask=m, causal=True)):
     assert mosaic.default_config(s).fwd.block_kv == tiles(s)[0][0]
+  # A bias's default takes its tile's size; unknown, the tiles that fit beside any.
+  assert mosaic.default_config(spec(bias=b), 2).fwd.block_kv == 128
+  assert mosaic.default_config(spec(bias=b), 4).fwd.block_kv == 64
+  assert mosaic.default_config(spec(bias=b)).fwd.block_kv == 64
   # What the tiles allow fits Hopper's shared memory (fwd.smem_bytes counts
   # each buffer at Mosaic-GPU's 1 KiB alignment); the output has its own
   # staging buffer beside 64-key blocks only.
@@ -828,7 +833,7 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
-    config = mosaic.default_config(spec)
+    config = mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec))
     config = configs.with_part(config, "fwd", persistent=persistent,
                                split_tail=split_tail, balanced=balanced)
     if balanced is not None:
@@ -846,7 +851,9 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
-    config = dataclasses.replace(mosaic.default_config(spec), bwd_one_launch=one_launch)
+    config = dataclasses.replace(
+        mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)),
+        bwd_one_launch=one_launch)
     static = platform.Static(dataclasses.replace(
         config, backward=pallas_triton.default_config(spec)))
     out, lse = mosaic.forward(ops, spec, static)
@@ -859,8 +866,11 @@ def test_every_variant_lowers_for_cuda(variant):
   mosaic_bwd_launches = 1 if one_launch else 2
   assert text.count("custom_call @mosaic_gpu") == 1 + mosaic_bwd_launches
   # The dK/dV kernel reads the additive tile transposed itself: XLA makes no
-  # transposed copy of it.
-  assert "dims = [0, 1, 3, 2]" not in text
+  # transposed copy of it (the pattern is checked on a swapaxes' own text).
+  swapped = jax.jit(lambda x: jnp.swapaxes(x, 2, 3)).trace(
+      sd((1, 2, 8, 16), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+  transposed = re.compile(r"stablehlo\.transpose[^\n]*dims = \[0, 1, 3, 2\]")
+  assert transposed.search(swapped) and not transposed.search(text)
 
 
 @pytest.mark.parametrize("kw,head_dim,wide", [
