@@ -10,12 +10,12 @@ the forward streams it with K (128-key blocks beside a float8 or 16-bit tile,
 64-key beside an fp32 one or a 16-bit one with segment ids:
 config.additive_forwards), the dQ kernel too, writing dS for dbias, and the
 dK/dV kernel with Q, reading it transposed; an fp32 bias, whose tile stays
-fp32, takes Pallas-Triton's backward. Dropout runs in all three kernels, each hashing the
-global coordinates of its tiles with common/dropout.py (the backward's row
-keys come with the row stats). Features the kernels lack (fp32, a bias or
-mask broadcast along Sq or Sk or with head dims over 128, a mask with a soft
-cap) raise NotImplementedError, so the frontend routes those calls to the next
-platform (triton where installed, then Pallas-Triton).
+fp32, takes Pallas-Triton's backward. Dropout runs in all three kernels, each
+hashing the global coordinates of its tiles with common/dropout.py (the
+backward's row keys come with the row stats). Features the kernels lack (fp32,
+a bias or mask broadcast along Sq or Sk or with head dims over 128, a mask
+with a soft cap) raise NotImplementedError, so the frontend routes those calls
+to the next platform (triton where installed, then Pallas-Triton).
 """
 
 from __future__ import annotations
