@@ -113,10 +113,11 @@ NARROW_FORWARD = MosaicForward(block_kv=64, num_stages=2)
 WIDE_FORWARD = MosaicForward(block_kv=128, num_stages=2)
 
 
-def additive_forwards(spec, tile_itemsize: int) -> tuple[MosaicForward, ...]:
+def additive_forwards(spec, tile_itemsize: int | None) -> tuple[MosaicForward, ...]:
   """The forward tiles that fit beside ``spec``'s additive tile of
-  ``tile_itemsize``-byte elements (``mosaic.additive_tile``; a mask alone's
-  is float8), the default first; empty without one. 128-key blocks where they
+  ``tile_itemsize``-byte elements (``mosaic.tile_itemsize``; a mask alone's
+  is float8; None, a bias's unknown: those that fit beside any tile), the
+  default first; empty without one. 128-key blocks where they
   fit: on an H200 (2026-11-28, B8 S2k and B2 S8k, H16 D128, causal or not) the
   forward ran 1.06-1.18x faster than with 64-key blocks beside a mask's tile
   (docs/reports/2026-11-28-h200-mask-tile.md), 1.06-1.17x beside a bf16
@@ -225,18 +226,11 @@ def padded_head_dim(spec) -> int | None:
 def default_config(spec, tile_itemsize: int | None = None) -> MosaicConfig:
   """Shared memory holds 2 q blocks and ``num_stages`` K and V blocks: D = 256
   keeps 64-key blocks so two stages fit in 227 KiB. Beside an additive tile,
-  :func:`additive_forwards`' first for a tile of ``tile_itemsize``-byte
-  elements (``mosaic.tile_itemsize``); a bias's unknown (None), the tiles that
-  fit beside any. The split tail only where it was measured to pay (D = 64,
-  long keys; see MosaicForward)."""
+  the first of :func:`additive_forwards` for ``tile_itemsize``. The split tail
+  only where it was measured to pay (D = 64, long keys; see MosaicForward)."""
   d = padded_head_dim(spec) or 256
   if has_additive_tile(spec):
-    # A bias's tile takes its dtype (``tile_itemsize`` bytes); not given, the
-    # forward tiles that fit beside any tile.
-    if mask_alone(spec) or tile_itemsize is not None:
-      fwd = additive_forwards(spec, 1 if mask_alone(spec) else tile_itemsize)[0]
-    else:
-      fwd = NARROW_FORWARD
+    fwd = additive_forwards(spec, tile_itemsize)[0]
   elif d <= 64:
     fwd = MosaicForward(block_kv=128, num_stages=3, split_tail=spec.seq_k > 2048)
   elif d <= 128:

@@ -320,7 +320,7 @@ def attention_from_operands(ops, spec, config: MosaicConfig | None = None):
   item = tile_itemsize(ops, spec)
   config = platform.check_config(resolve_config(spec, config, item), MosaicConfig, NAME)
   tiles = lambda c: (c.block_kv, c.num_stages)
-  fits = additive_forwards(spec, item) if item is not None else ()
+  fits = additive_forwards(spec, item)
   if fits and tiles(config.fwd) not in [tiles(f) for f in fits]:
     if explicit:
       what = "a mask" if mask_alone(spec) else "a bias"

@@ -127,17 +127,18 @@ def slot_tile(smem, bars, slot, wg, load: bool = True, raw: bool = False,
   assert not raw
   tile = compat.mgpu_load(compat.transpose_ref(smem.at[slot, wg], (1, 0)),
                           plgpu.Layout.WGMMA_TRANSPOSED)
-  if jnp.dtype(tile.dtype).itemsize == 1:
-    tile = tile.astype(jnp.float16)
-  return tile_logits(plgpu.layout_cast(tile, plgpu.Layout.WGMMA))
+  return tile_logits(plgpu.layout_cast(_widened(tile), plgpu.Layout.WGMMA))
+
+
+def _widened(tile):
+  """An 8-bit tile as fp16 (Mosaic-GPU converts 8-bit floats to 16-bit ones
+  only: cvt.f16x2.e5m2x2); a wider one as it is."""
+  return tile.astype(jnp.float16) if jnp.dtype(tile.dtype).itemsize == 1 else tile
 
 
 def tile_logits(tile):
   """An additive tile in registers as fp32 logits."""
-  if jnp.dtype(tile.dtype).itemsize == 1:
-    # Mosaic-GPU converts 8-bit floats to 16-bit ones only (cvt.f16x2.e5m2x2).
-    tile = tile.astype(jnp.float16)
-  return tile.astype(jnp.float32)
+  return _widened(tile).astype(jnp.float32)
 
 
 def slot_ids(bar, smem, slot, layout, load: bool = True):

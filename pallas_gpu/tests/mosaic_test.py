@@ -22,13 +22,19 @@ from flashjax.pallas_gpu.triton import pallas_triton
 ON_HOPPER = jax.default_backend() == "gpu" and hardware.is_hopper()
 
 
+def _default_config(ops, spec):
+  """The default config of a call, as ``mosaic.flash_attention`` resolves it
+  (the forward's tiles fit beside the call's additive tile)."""
+  return mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec))
+
+
 def _attention_with(config_of):
   """``mosaic.flash_attention`` whose config is ``config_of(spec, default)``
   for each call's spec."""
   def attention(q, k, v, **kwargs):
     ops, spec = spec_lib.canonicalize(
         q, k, v, **{n: x for n, x in kwargs.items() if n != "return_lse"})
-    config = config_of(spec, mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)))
+    config = config_of(spec, _default_config(ops, spec))
     return mosaic.flash_attention(q, k, v, config=config, **kwargs)
   return attention
 
@@ -456,9 +462,7 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
 
     def bwd(q, k, v, bias):
       ops, spec = spec_lib.canonicalize(q, k, v, bias=bias, causal=True)
-      config = dataclasses.replace(
-          mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)),
-          bwd_one_launch=one_launch)
+      config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch)
       static = platform.Static(dataclasses.replace(
           config, backward=pallas_triton.default_config(spec)))
       out, lse = mosaic.forward(ops, spec, static)
@@ -833,7 +837,7 @@ def test_every_variant_lowers_for_cuda(variant):
   def fwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
-    config = mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec))
+    config = _default_config(ops, spec)
     config = configs.with_part(config, "fwd", persistent=persistent,
                                split_tail=split_tail, balanced=balanced)
     if balanced is not None:
@@ -851,9 +855,7 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
-    config = dataclasses.replace(
-        mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec)),
-        bwd_one_launch=one_launch)
+    config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch)
     static = platform.Static(dataclasses.replace(
         config, backward=pallas_triton.default_config(spec)))
     out, lse = mosaic.forward(ops, spec, static)
