@@ -88,6 +88,11 @@ class Geometry:
   # batch row's dS in fp32 into one zeroed ``[1, Hq, Sqp, Skp]`` array (TMA
   # reduce-adds), its CTAs batch-fastest so a tile's adds meet in L2.
   ds_batch_sum: bool = False
+  # With bias_grad and no ds_batch_sum, dS that XLA sums (a bias broadcast over
+  # the batch or heads) under a band with unreached tiles: the dQ kernel writes
+  # only the tiles its walk reaches and leaves the rest unwritten; the caller
+  # zeroes them in the sum's read (band_ds).
+  ds_reached_only: bool = False
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
   # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
   # registers hold one fp32 accumulator over the head dim, not two.
@@ -425,6 +430,27 @@ def wg_block_ranges(g: Geometry, r0):
   ``[lo, hi)`` are reached, ``[a, b)`` need no mask (``blocking.kv_block_range``).
   Empty rows give ``lo = hi``."""
   return blocking.kv_block_range(g.band, r0, g.block_q, g.block_kv)
+
+
+def reached_tiles(g: Geometry) -> np.ndarray:
+  """``bool [Sqp / block_q, Skp / block_kv]``: the tiles of a dQ warpgroup's
+  walk (:func:`wg_block_ranges` of each row block) under the band alone."""
+  t = blocking.kv_block_table(g.band, g.block_q, g.block_kv,
+                              g.seq_q_padded // g.block_q)
+  blocks = np.arange(g.seq_k_padded // g.block_kv)[None, :]
+  return (blocks >= t[:, :1]) & (blocks < t[:, 3:])
+
+
+def band_ds(ds, g: Geometry):
+  """``ds [B, Hq, Sqp, Skp]`` with its tiles outside :func:`reached_tiles`
+  zeroed, whatever they held: with ``g.ds_reached_only`` the dQ kernel leaves
+  them unwritten. XLA fuses the select into the batch sum's read."""
+  if not g.ds_reached_only:
+    return ds
+  nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
+  tiles = ds.reshape(*ds.shape[:2], nq, g.block_q, nk, g.block_kv)
+  keep = reached_tiles(g)[:, None, :, None]
+  return jnp.where(keep, tiles, jnp.zeros((), ds.dtype)).reshape(ds.shape)
 
 
 def wg_q_ranges(g: Geometry, k0):

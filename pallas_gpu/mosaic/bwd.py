@@ -57,7 +57,9 @@ dQ kernel and with each Q block in the dK/dV kernel, which reads its blocks
 transposed (pipeline.slot_tile: in registers, not by a copy of the tile). With a
 bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
 a ``[B, Hq, Sqp, Skp]`` array for dbias (bf16 with a bf16 tile, else fp32;
-:func:`ds_dtype`; summed in fp32 by XLA), zeros where its walk does not reach.
+:func:`ds_dtype`; summed in fp32 by XLA), zeros where its walk does not reach;
+where XLA sums it over the batch or heads, those tiles stay unwritten and the
+sum's read zeroes them instead (``Geometry.ds_reached_only``, blocks.band_ds).
 A bias broadcast over eight or more batch rows (``Geometry.ds_batch_sum``) is
 summed by the dQ kernel instead: fp32 TMA reduce-adds of each row's dS into one
 zeroed ``[1, Hq, Sqp, Skp]`` array, with the dQ CTAs batch-fastest so the adds
@@ -733,8 +735,9 @@ def _dq_program(g: Geometry, dtype):
 
       def zero_ds(lo, hi):
         """Zeros to the dbias tiles of the blocks outside ``[lo, hi)``, which
-        this warpgroup's walk does not write (a batch sum starts zeroed)."""
-        if ds_ref is None or g.ds_batch_sum:
+        this warpgroup's walk does not write (a batch sum starts zeroed; with
+        ``g.ds_reached_only`` the caller zeroes them)."""
+        if ds_ref is None or g.ds_batch_sum or g.ds_reached_only:
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         ds_smem[0].at[wg][...] = zeros((bq, bk)).astype(ds_smem[0].dtype)

@@ -288,8 +288,11 @@ def sums_dbias_in_kernel(spec) -> bool:
   H16 D128, sequence lengths of 512 to 2048 at 8 rows or more) it was
   1.00-1.03x as fast at B8 S2k and 1.13-1.14x causal, 1.07x at B16 S1k and
   1.19x causal, 1.10x at B32 S512 causal; at B4 S4k 0.97-0.99x (1.07x causal)
-  and at B2 S8k 0.85-0.86x. Its fp32 sum also cut dbias's error against an
-  fp32 reference 1.9-4x."""
+  and at B2 S8k 0.85-0.86x. Those per-row timings predate the dQ kernel
+  leaving tiles outside the band unwritten (mosaic._ds_reached_only), which
+  made the per-row path 1.08x as fast at B4 S4k causal, about the sum's edge
+  there; causal rows from 8 were not timed again. Its fp32 sum also cut
+  dbias's error against an fp32 reference 1.9-4x."""
   return (spec.bias_shape is not None and spec.bias_shape[0] == 1
           and spec.batch >= DBIAS_KERNEL_SUM_MIN_BATCH)
 

@@ -31,7 +31,8 @@ from ...common import (blocking, configs, dropout, epilogue, hardware, platform,
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
 from . import autotune
-from .blocks import Geometry, dropout_key_halves, dropout_row_keys
+from .blocks import (Geometry, band_ds, dropout_key_halves, dropout_row_keys,
+                     reached_tiles)
 from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      OWN_BLOCK_BWD_MAX_HEAD_DIM, PACKED_BALANCED_MAX_KEYS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
@@ -270,6 +271,7 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if tile is not None:
     g_dq = dataclasses.replace(g_dq, bias_grad=ops.bias is not None,
                                ds_batch_sum=sums_dbias_in_kernel(spec))
+    g_dq = dataclasses.replace(g_dq, ds_reached_only=_ds_reached_only(spec, g_dq))
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
   if static.config.bwd_one_launch:
@@ -286,12 +288,28 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
   if ops.bias is not None:
-    dbias = epilogue.dbias_from_ds(ds, spec, ops.bias)
+    dbias = epilogue.dbias_from_ds(band_ds(ds, g_dq), spec, ops.bias)
   return spec_lib.Operands(
       q=dq[:, :spec.seq_q, :, :spec.head_dim],
       k=dk[:, :spec.seq_k, :, :spec.head_dim].astype(ops.k.dtype),
       v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), bias=dbias,
       sinks=dsinks)
+
+
+def _ds_reached_only(spec, g: Geometry) -> bool:
+  """Whether the dQ kernel leaves dS's tiles outside the band unwritten
+  (``Geometry.ds_reached_only``): where XLA sums dS over the batch or heads,
+  zeroing them in that read costs nothing, while the kernel's zero tiles were
+  half of dS's writes under a causal band. On an H200 (2026-11-28, bf16 bias,
+  H16 D128) forward+backward ran 1.08x as fast at B2 S8k causal, 1.08x at B4
+  S4k causal (summed over the batch or the heads) and 1.23x under a 2048-key
+  window at B2 S8k. Segment ids narrow the walks further on the device, so
+  their kernels still write the zeros."""
+  if not g.bias_grad or g.ds_batch_sum or g.segments:
+    return False
+  batch, heads = spec.bias_shape[:2]
+  summed = (batch == 1 and spec.batch > 1) or (heads == 1 and spec.heads_q > 1)
+  return summed and not reached_tiles(g).all()
 
 
 def tile_itemsize(ops, spec) -> int | None:

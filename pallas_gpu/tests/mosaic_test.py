@@ -111,6 +111,18 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
                                 bias_shape=(1, -1, -1, -1), bias_dtype="input",
                                 causal=causal, dropout_rate=dropout, seed=41))
 
+  @pytest.mark.parametrize("kw", [
+      dict(causal=True), dict(causal=True, bias_shape=(-1, 1, -1, -1)),
+      dict(seq_q=320, seq_k=448, sliding_window=(100, 30)),
+      dict(causal=True, dropout_rate=0.2)], ids=str)
+  def test_dbias_with_tiles_outside_the_band(self, kw):
+    """A bf16 bias that XLA sums over the batch or heads, under a band that
+    leaves tiles out: the dQ kernel does not write dS there
+    (blocks.Geometry.ds_reached_only) and the sum's read zeroes them."""
+    self.check(conformance.Case(**{**dict(
+        batch=2, seq_q=384, seq_k=384, heads_q=2, heads_kv=2, head_dim=128,
+        bias_shape=(1, -1, -1, -1), bias_dtype="input", seed=47), **kw}))
+
   def test_dbias_batch_sum_under_vmap(self):
     """Under vmap the kernels write each row's dS (plgpu.kernel batches them)
     and XLA sums it: the same dbias as the loop over the mapped axis."""
@@ -486,6 +498,67 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
   assert lowered(1) == lowered(1, one_launch=False) == (True, True)
   assert lowered(1, sharded=True) == (True, True)
   assert lowered(1, mapped=True) == lowered(8) == (False, False)
+
+
+@pytest.mark.parametrize("seq_q,seq_k,window", [
+    (512, 512, (None, 0)), (300, 450, (None, 0)), (450, 300, (None, 0)),
+    (640, 640, (100, 0)), (640, 512, (130, 70))])
+def test_ds_tiles_outside_the_band_are_left_to_the_sum(seq_q, seq_k, window):
+  """Where XLA sums dS over the batch or heads, the dQ kernel writes only the
+  tiles its walk reaches (Geometry.ds_reached_only) and band_ds zeroes the
+  rest in the sum's read: those are exactly the tiles holding an allowed
+  (row, key) pair, every warpgroup's walk covers its row of them, and what the
+  unwritten tiles hold never reaches dbias."""
+  sd = jax.ShapeDtypeStruct
+
+  def spec(batch=2, bias=(1, 2), **kw):
+    return spec_lib.abstract_spec(
+        batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=2, head_dim=128,
+        dtype="bfloat16", sliding_window=window,
+        bias=sd(bias + (seq_q, seq_k), jnp.bfloat16), **kw)
+
+  def geometry(s):
+    g = mosaic.backward_geometries(s, mosaic.MosaicConfig())[0]
+    g = dataclasses.replace(g, bias_grad=True, ds_batch_sum=mosaic.sums_dbias_in_kernel(s))
+    return dataclasses.replace(g, ds_reached_only=mosaic._ds_reached_only(s, g))
+
+  g = geometry(spec())
+  reached = mosaic_blocks.reached_tiles(g)
+  nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
+  allowed = np.zeros((g.seq_q_padded, g.seq_k_padded), bool)
+  allowed[:seq_q, :seq_k] = np.asarray(g.band.as_array())
+  np.testing.assert_array_equal(
+      reached, allowed.reshape(nq, g.block_q, nk, g.block_kv).any((1, 3)))
+  assert not reached.all() and reached.any()
+  for tile in range(g.num_q_tiles):
+    ranges = mosaic_blocks.cta_block_ranges(g, tile)[0]
+    for w in (0, 1):
+      lo, _, _, hi = (int(x) for x in ranges[w])
+      assert reached[2 * tile + w, lo:hi].all()
+      assert reached[2 * tile + w].sum() == hi - lo
+
+  assert g.ds_reached_only
+  assert geometry(spec(bias=(2, 1))).ds_reached_only  # summed over heads
+  assert not geometry(spec(bias=(2, 2))).ds_reached_only  # nothing summed
+  assert not geometry(spec(batch=8)).ds_reached_only  # the kernel's own sum
+  ids = sd((2, seq_q), jnp.int32), sd((2, seq_k), jnp.int32)
+  with_ids = geometry(spec(segment_ids=ids))
+  assert with_ids.segments and not with_ids.ds_reached_only
+  # A full band reaches every tile but those of padding rows or keys alone.
+  full = dataclasses.replace(g, band=Band(seq_q=seq_q, seq_k=seq_k), ds_reached_only=False)
+  assert mosaic._ds_reached_only(spec(), full) == (
+      g.seq_q_padded - seq_q >= g.block_q or g.seq_k_padded - seq_k >= g.block_kv)
+
+  rng = np.random.default_rng(seq_q)
+  ds = rng.standard_normal((2, 2, g.seq_q_padded, g.seq_k_padded)).astype(np.float32)
+  unwritten = ~np.repeat(np.repeat(reached, g.block_q, 0), g.block_kv, 1)
+  written = np.where(unwritten, 0, ds)
+  ds[:, :, unwritten] = np.nan
+  got = np.asarray(jax.jit(mosaic_blocks.band_ds, static_argnums=1)(
+      jnp.asarray(ds, jnp.bfloat16), g), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(jnp.asarray(written, jnp.bfloat16),
+                                                np.float32))
+  assert mosaic_blocks.band_ds(ds, dataclasses.replace(g, ds_reached_only=False)) is ds
 
 
 def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
