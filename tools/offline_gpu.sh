@@ -5,6 +5,8 @@
 # `import flashjax` is pointed at this checkout. Then it runs one stage, logging
 # under $OUT (default /tmp/out):
 #   test [pytest args]   the test suite on the GPU
+#   spread [pytest args] the selected cases dealt over every GPU of the host,
+#                        one pytest each (tools/spread_tests.py; WORKERS each)
 #   bench [cli args]     python -m flashjax.benchmarks (output under $OUT/bench)
 #   info                 versions and devices
 #   py MODULE [args]     python -m MODULE from the checkout (e.g. tools.mosaic_sweep)
@@ -25,6 +27,9 @@ case "$stage" in
   test)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider \
       -n "${WORKERS:-4}" "$@" 2>&1 | tee "$out/test.log" | tail -40 ;;
+  spread)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m tools.spread_tests --out "$out" \
+      --workers "${WORKERS:-3}" "$@" 2>&1 | tee "$out/spread.log" ;;
   py)
     python3 -m "$@" 2>&1 | tee "$out/py-$1.log" ;;
   bench)

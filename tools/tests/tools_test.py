@@ -335,3 +335,40 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
     bad = subprocess.run(["bash", str(script), *args], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2, (args, bad.stderr)
+
+
+def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
+    tmp_path, capsys, monkeypatch):
+  # A throwaway suite of five cases, one failing: dealt over two "GPUs" (on
+  # the CPU CUDA_VISIBLE_DEVICES changes nothing), every case runs once, each
+  # GPU's summary is printed, the failure named, and the exit code says so.
+  # Node ids are relative to pytest's rootdir: run from the suite's folder, as
+  # from the repository root for flashjax's suites.
+  from tools import spread_tests
+  monkeypatch.chdir(tmp_path)
+  suite = tmp_path / "suite_test.py"
+  suite.write_text("import pytest\n\n"
+                   "@pytest.mark.parametrize('i', range(5))\n"
+                   "def test_case(i):\n"
+                   "  open(f'{__file__}.{i}', 'a').write('x')\n"
+                   "  assert i != 3\n")
+  ids = spread_tests.collect([str(suite)])
+  assert len(ids) == 5
+  dealt = spread_tests.deal(ids, 2)
+  assert [len(c) for c in dealt] == [3, 2] and sorted(sum(dealt, [])) == sorted(ids)
+  assert spread_tests.main(["--gpus", "2", "--dry-run", str(suite)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 2 and lines[1].startswith("CUDA_VISIBLE_DEVICES=1 ")
+  assert "-n 3" in lines[0] and lines[0].endswith("<3 cases>")
+  assert not list(tmp_path.glob("suite_test.py.*"))  # a dry run runs nothing
+  out = tmp_path / "out"
+  rc = spread_tests.main(["--gpus", "2", "--workers", "0", "--out", str(out), str(suite)])
+  printed = capsys.readouterr().out
+  assert rc == 1
+  assert "GPU 0: " in printed and "GPU 1: " in printed and "1 failed" in printed
+  assert "FAILED" in printed and "test_case[3]" in printed
+  assert sorted(p.name for p in out.iterdir()) == ["test-gpu0.log", "test-gpu1.log"]
+  for i in range(5):
+    assert (tmp_path / f"suite_test.py.{i}").read_text() == "x"
+  with pytest.raises(SystemExit):
+    spread_tests.main(["--workers", "-1", str(suite)])
