@@ -56,7 +56,7 @@ def command(ids: list[str], workers: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
   p.add_argument("--gpus", type=int, default=0, help="GPUs to deal over (0: all)")
   p.add_argument("--workers", type=int, default=3, help="pytest-xdist workers per GPU")
   p.add_argument("--limit", type=int, default=540, help="seconds per GPU's pytest")
