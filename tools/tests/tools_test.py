@@ -352,17 +352,26 @@ def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
                    "def test_case(i):\n"
                    "  open(f'{__file__}.{i}', 'a').write('x')\n"
                    "  assert i != 3\n")
-  ids = spread_tests.collect([str(suite)])
+  ids = spread_tests.collect([str(suite), "-v"], timeout=60)
   assert len(ids) == 5
   dealt = spread_tests.deal(ids, 2)
   assert [len(c) for c in dealt] == [3, 2] and sorted(sum(dealt, [])) == sorted(ids)
-  assert spread_tests.main(["--gpus", "2", "--dry-run", str(suite)]) == 0
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  assert spread_tests.main(["--gpus", "2", "--dry-run", str(suite), "-q", "--tb=line"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == 2 and lines[1].startswith("CUDA_VISIBLE_DEVICES=1 ")
   assert "-n 3" in lines[0] and lines[0].endswith("<3 cases>")
+  # Options reach the runs; the suite's path does not (its ids do).
+  assert "--tb=line" in lines[0] and str(suite) not in lines[0]
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+  assert spread_tests.main(["--dry-run", str(suite)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [l.split()[0] for l in lines] == ["CUDA_VISIBLE_DEVICES=5", "CUDA_VISIBLE_DEVICES=7"]
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
   assert not list(tmp_path.glob("suite_test.py.*"))  # a dry run runs nothing
   out = tmp_path / "out"
-  rc = spread_tests.main(["--gpus", "2", "--workers", "0", "--out", str(out), str(suite)])
+  rc = spread_tests.main(["--gpus", "2", "--workers", "0", "--out", str(out), str(suite),
+                          "--tb=line"])
   printed = capsys.readouterr().out
   assert rc == 1
   assert "GPU 0: " in printed and "GPU 1: " in printed and "1 failed" in printed
@@ -372,3 +381,12 @@ def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
     assert (tmp_path / f"suite_test.py.{i}").read_text() == "x"
   with pytest.raises(SystemExit):
     spread_tests.main(["--workers", "-1", str(suite)])
+  # A run past the limit is stopped, and counts as a failure.
+  import time
+  slow = tmp_path / "slow_test.py"
+  slow.write_text("import time\n\ndef test_sleeps():\n  time.sleep(120)\n")
+  t0 = time.monotonic()
+  assert spread_tests.main(["--gpus", "1", "--workers", "0", "--limit", "6",
+                            "--out", str(out), str(slow)]) == 1
+  assert time.monotonic() - t0 < 60
+  assert "stopped at the 6 s limit" in capsys.readouterr().out
