@@ -351,7 +351,10 @@ def test_mask_and_bias_sets_run_each_flashjax_call_with_and_without(what):
   by = {(r.impl, r.direction): r for r in rows}
   assert [r.impl for r in rows[::2]] == ["xla", f"xla[no {what}]", "jax-xla"]
   for name in ("xla", f"xla[no {what}]"):
-    assert by[(name, "fwd")].status == "ok" and by[(name, "bwd")].ms > 0, by
+    # bwd is forward+backward minus forward: from one sample each on a busy
+    # CPU it can come out below zero, so only that it was timed is asserted.
+    assert by[(name, "fwd")].status == by[(name, "bwd")].status == "ok", by
+    assert by[(name, "fwd")].ms > 0 and np.isfinite(by[(name, "bwd")].ms), by
   assert f"no {what}" in by[("jax-xla", "fwd")].status
   # The operand is a parameter of the programs; the bias is differentiated.
   q, k, v, do = timing.random_inputs(shape, jnp.float32)
