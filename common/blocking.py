@@ -192,6 +192,18 @@ def kv_block_table(band: Band, block_q: int, block_kv: int,
                                  **kw), -1).reshape(n, 4)
 
 
+def kv_block_reach(band: Band, block_q: int, block_kv: int,
+                   num_q_blocks: int | None = None,
+                   num_kv_blocks: int | None = None) -> np.ndarray:
+  """``bool [num_q_blocks, num_kv_blocks]``: whether q block ``i`` reaches kv
+  block ``j`` through ``band`` (:func:`kv_block_table`'s ``[lo, hi)``; default
+  counts: the blocks holding real rows and keys)."""
+  t = kv_block_table(band, block_q, block_kv, num_q_blocks)
+  nk = -(-band.seq_k // block_kv) if num_kv_blocks is None else num_kv_blocks
+  j = np.arange(nk)
+  return (t[:, :1] <= j) & (j < t[:, 3:])
+
+
 def q_block_table(band: Band, block_kv: int, block_q: int,
                   num_kv_blocks: int | None = None, **kw) -> np.ndarray:
   """``int32 [num_kv_blocks, 4]``: :func:`q_block_range` of every kv block."""

@@ -39,11 +39,9 @@ class Layout(BlockGrid):
   def _half_reach(self) -> np.ndarray:
     """``[2, nq, nk]`` bool: whether the top (0) / bottom (1) half of q block i
     reaches kv block j through the band."""
-    t = blocking.kv_block_table(self.spec.band, self.block_q // 2, self.block_kv,
-                                2 * self.num_q_blocks)
-    first, end = (t[:, c].reshape(self.num_q_blocks, 2).T[..., None] for c in (0, 3))
-    j = np.arange(self.num_kv_blocks)
-    return (first <= j) & (j < end)
+    reach = blocking.kv_block_reach(self.spec.band, self.block_q // 2, self.block_kv,
+                                    2 * self.num_q_blocks, self.num_kv_blocks)
+    return reach.reshape(self.num_q_blocks, 2, self.num_kv_blocks).transpose(1, 0, 2)
 
   def split_ranges(self, over_kv: bool) -> tuple[np.ndarray, ...]:
     """Per outer block, ``(lo, t, a, b, h, hi)``: the inner blocks ``[lo, hi)``

@@ -86,6 +86,11 @@ def test_block_ranges_and_tile_predicate_match_the_dense_band(problem, seed):
   kv = blocking.kv_block_table(band, bq, bk, nq, strict_q=strict_q,
                                strict_kv=strict_kv)
   _check(kv, *_expected(real, ext, bq, bk, nq, strict_q, strict_kv))
+  # The reach matrix: exactly the tiles holding a real allowed pair.
+  tiles = np.zeros_like(ext)
+  tiles[:sq, :sk] = real
+  assert (blocking.kv_block_reach(band, bq, bk, nq, nk)
+          == tiles.reshape(nq, bq, nk, bk).any((1, 3))).all()
   q = blocking.q_block_table(band, bk, bq, nk, strict_kv=strict_kv,
                              strict_q=strict_q)
   _check(q, *_expected(real.T, ext.T, bk, bq, nk, strict_kv, strict_q))

@@ -435,10 +435,8 @@ def wg_block_ranges(g: Geometry, r0):
 def reached_tiles(g: Geometry) -> np.ndarray:
   """``bool [Sqp / block_q, Skp / block_kv]``: the tiles of a dQ warpgroup's
   walk (:func:`wg_block_ranges` of each row block) under the band alone."""
-  t = blocking.kv_block_table(g.band, g.block_q, g.block_kv,
-                              g.seq_q_padded // g.block_q)
-  blocks = np.arange(g.seq_k_padded // g.block_kv)[None, :]
-  return (blocks >= t[:, :1]) & (blocks < t[:, 3:])
+  return blocking.kv_block_reach(g.band, g.block_q, g.block_kv,
+                                 g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv)
 
 
 def band_ds(ds, g: Geometry):
