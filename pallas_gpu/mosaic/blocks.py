@@ -90,8 +90,8 @@ class Geometry:
   ds_batch_sum: bool = False
   # With bias_grad and no ds_batch_sum, dS that XLA sums (a bias broadcast over
   # the batch or heads) under a band with unreached tiles: the dQ kernel writes
-  # only the tiles its walk reaches and leaves the rest unwritten; the caller
-  # zeroes them in the sum's read (band_ds).
+  # only the tiles its walk reaches and leaves the rest unwritten; the sum
+  # (mosaic/dbias_sum.py) reads only the reached ones.
   ds_reached_only: bool = False
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
   # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
@@ -437,18 +437,6 @@ def reached_tiles(g: Geometry) -> np.ndarray:
   walk (:func:`wg_block_ranges` of each row block) under the band alone."""
   return blocking.kv_block_reach(g.band, g.block_q, g.block_kv,
                                  g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv)
-
-
-def band_ds(ds, g: Geometry):
-  """``ds [B, Hq, Sqp, Skp]`` with its tiles outside :func:`reached_tiles`
-  zeroed, whatever they held: with ``g.ds_reached_only`` the dQ kernel leaves
-  them unwritten. XLA fuses the select into the batch sum's read."""
-  if not g.ds_reached_only:
-    return ds
-  nq, nk = g.seq_q_padded // g.block_q, g.seq_k_padded // g.block_kv
-  tiles = ds.reshape(*ds.shape[:2], nq, g.block_q, nk, g.block_kv)
-  keep = reached_tiles(g)[:, None, :, None]
-  return jnp.where(keep, tiles, jnp.zeros((), ds.dtype)).reshape(ds.shape)
 
 
 def wg_q_ranges(g: Geometry, k0):

@@ -58,8 +58,9 @@ transposed (pipeline.slot_tile: in registers, not by a copy of the tile). With a
 bias (``Geometry.bias_grad``) the dQ kernel writes dS, the logits' gradient, to
 a ``[B, Hq, Sqp, Skp]`` array for dbias (bf16 with a bf16 tile, else fp32;
 :func:`ds_dtype`; summed in fp32 by XLA), zeros where its walk does not reach;
-where XLA sums it over the batch or heads, those tiles stay unwritten and the
-sum's read zeroes them instead (``Geometry.ds_reached_only``, blocks.band_ds).
+where it is summed over the batch or heads, those tiles stay unwritten and the
+sum (a Pallas-Triton kernel, mosaic/dbias_sum.py) reads only the reached
+ones, writing zeros elsewhere (``Geometry.ds_reached_only``).
 A bias broadcast over eight or more batch rows (``Geometry.ds_batch_sum``) is
 summed by the dQ kernel instead: fp32 TMA reduce-adds of each row's dS into one
 zeroed ``[1, Hq, Sqp, Skp]`` array, with the dQ CTAs batch-fastest so the adds

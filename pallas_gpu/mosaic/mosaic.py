@@ -30,9 +30,8 @@ from ...common import (blocking, configs, dropout, epilogue, hardware, platform,
                        rows, segments, vjp)
 from ...common import spec as spec_lib
 from ..triton import decode, pallas_triton
-from . import autotune
-from .blocks import (Geometry, band_ds, dropout_key_halves, dropout_row_keys,
-                     reached_tiles)
+from . import autotune, dbias_sum
+from .blocks import Geometry, dropout_key_halves, dropout_row_keys, reached_tiles
 from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      OWN_BLOCK_BWD_MAX_HEAD_DIM, PACKED_BALANCED_MAX_KEYS, MosaicConfig,
                      MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
@@ -288,12 +287,23 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
   if ops.bias is not None:
-    dbias = epilogue.dbias_from_ds(band_ds(ds, g_dq), spec, ops.bias)
+    dbias = _dbias(ds, g_dq, spec, ops.bias)
   return spec_lib.Operands(
       q=dq[:, :spec.seq_q, :, :spec.head_dim],
       k=dk[:, :spec.seq_k, :, :spec.head_dim].astype(ops.k.dtype),
       v=dv[:, :spec.seq_k, :, :spec.head_dim_v].astype(ops.v.dtype), bias=dbias,
       sinks=dsinks)
+
+
+def _dbias(ds, g: Geometry, spec, bias):
+  """dbias from the dQ kernel's ``ds``. Where it left the band's unreached
+  tiles unwritten, dbias_sum reads only the reached ones: XLA's sum read all
+  of dS, zeroing the rest in its read."""
+  if not g.ds_reached_only:
+    return epilogue.dbias_from_ds(ds, spec, bias)
+  summed = dbias_sum.band_sum(ds, reached_tiles(g), bias.shape[0], bias.shape[1],
+                              bias.dtype)
+  return summed[:, :, :spec.seq_q, :spec.seq_k].reshape(bias.shape)
 
 
 def _ds_reached_only(spec, g: Geometry) -> bool:

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax.common import (autotune, configs, conformance, hardware, platform,
+from flashjax.common import (autotune, configs, conformance, epilogue, hardware, platform,
                              spec as spec_lib, tolerances)
 from flashjax.common.mask import Band
+from flashjax.pallas_gpu.mosaic import dbias_sum
 from flashjax.pallas_gpu.mosaic import blocks as mosaic_blocks, mosaic
 from flashjax.pallas_gpu.mosaic import config as mosaic_config
 from flashjax.pallas_gpu.triton import pallas_triton
@@ -505,10 +506,11 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
     (640, 640, (100, 0)), (640, 512, (130, 70))])
 def test_ds_tiles_outside_the_band_are_left_to_the_sum(seq_q, seq_k, window):
   """Where XLA sums dS over the batch or heads, the dQ kernel writes only the
-  tiles its walk reaches (Geometry.ds_reached_only) and band_ds zeroes the
-  rest in the sum's read: those are exactly the tiles holding an allowed
-  (row, key) pair, every warpgroup's walk covers its row of them, and what the
-  unwritten tiles hold never reaches dbias."""
+  tiles its walk reaches (Geometry.ds_reached_only) and dbias_sum reads only
+  those: they are exactly the tiles holding an allowed (row, key) pair, every
+  warpgroup's walk covers its row of them, and what the unwritten tiles hold
+  never reaches dbias (the kernel in interpret mode, summed over the batch or
+  the heads, against NumPy)."""
   sd = jax.ShapeDtypeStruct
 
   def spec(batch=2, bias=(1, 2), **kw):
@@ -551,14 +553,20 @@ def test_ds_tiles_outside_the_band_are_left_to_the_sum(seq_q, seq_k, window):
 
   rng = np.random.default_rng(seq_q)
   ds = rng.standard_normal((2, 2, g.seq_q_padded, g.seq_k_padded)).astype(np.float32)
+  ds = np.asarray(jnp.asarray(ds, jnp.bfloat16), np.float32)  # exact in the kernel's input
   unwritten = ~np.repeat(np.repeat(reached, g.block_q, 0), g.block_kv, 1)
   written = np.where(unwritten, 0, ds)
   ds[:, :, unwritten] = np.nan
-  got = np.asarray(jax.jit(mosaic_blocks.band_ds, static_argnums=1)(
-      jnp.asarray(ds, jnp.bfloat16), g), np.float32)
-  np.testing.assert_array_equal(got, np.asarray(jnp.asarray(written, jnp.bfloat16),
-                                                np.float32))
-  assert mosaic_blocks.band_ds(ds, dataclasses.replace(g, ds_reached_only=False)) is ds
+  for bias_dims in ((1, 2), (2, 1), (1, 1)):
+    got = dbias_sum.band_sum(jnp.asarray(ds, jnp.bfloat16), reached, *bias_dims,
+                             jnp.float32, interpret=True)
+    want = epilogue.reduce_to_shape(written, bias_dims + written.shape[2:])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="out_rows 3"):
+    dbias_sum.band_sum(jnp.asarray(ds), reached, 3, 2, jnp.float32, interpret=True)
+  with pytest.raises(ValueError, match="does not tile"):
+    dbias_sum.band_sum(jnp.asarray(ds), reached[:, :-1], 1, 2, jnp.float32,
+                       interpret=True)
 
 
 def test_mask_alone_streams_a_float8_tile_and_takes_128_key_blocks():
