@@ -342,13 +342,8 @@ def _dkv_program(g: Geometry, dtype):
         return dk, dv
 
       def skip(s, carry):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        for bar in (q_bar, st_bar, do_bar):
-          plgpu.barrier_wait(bar.at[slot])
-        q_ids(slot, False)
-        bias_tile_t(slot, False)
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        pipeline.skip_slot(lax.rem(s - lo_c, jnp.int32(stages)), (q_bar, st_bar, do_bar),
+                           (q_ids, bias_tile_t), (do_free, q_free))
         return carry
 
       walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
@@ -795,13 +790,8 @@ def _dq_program(g: Geometry, dtype):
         return acc
 
       def skip(s, carry):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
-        kv_ids(slot, False)
-        bias_tile(slot, False)
-        plgpu.barrier_arrive(v_free.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
+        pipeline.skip_slot(lax.rem(s - lo_c, jnp.int32(stages)), (k_bar, v_bar),
+                           (kv_ids, bias_tile), (v_free, k_free))
         return carry
 
       walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),

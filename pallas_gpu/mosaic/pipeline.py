@@ -148,6 +148,20 @@ def slot_ids(bar, smem, slot, layout, load: bool = True):
   return compat.mgpu_load(smem.at[slot], layout) if load else None
 
 
+def skip_slot(slot, waits, reads, frees):
+  """A walk step over a block the band leaves out (blocks.band_walk's skip):
+  waits for the slot's ``waits`` barriers, passes it through ``reads``
+  (``read(slot, False)``: the waits on the ids' and tile's own barriers, no
+  load) and releases it through ``frees``, so that every barrier's phases
+  stay in step with the memory warpgroup's."""
+  for bar in waits:
+    plgpu.barrier_wait(bar.at[slot])
+  for read in reads:
+    read(slot, False)
+  for bar in frees:
+    plgpu.barrier_arrive(bar.at[slot])
+
+
 def in_spans(index, spans, shape):
   """Whether each ``index`` of a ``shape`` tile lies in its row's span: ``spans``
   is ``[starts, ends]`` per row (dim 0), from :func:`own_rows`."""
