@@ -390,3 +390,29 @@ def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
                             "--out", str(out), str(slow)]) == 1
   assert time.monotonic() - t0 < 60
   assert "stopped at the 6 s limit" in capsys.readouterr().out
+
+
+def test_lowered_kernels_fingerprints_each_program_and_ignores_source_lines(
+    capsys, monkeypatch):
+  """Each lowered program gets a line; the same tree gives the same lines, a
+  different kernel different ones, and moving source lines changes nothing."""
+  from tools import lowered_kernels
+  from flashjax.pallas_gpu.mosaic import pipeline
+
+  only = "{'bias': True, 'causal': True}"
+  first = lowered_kernels.fingerprints(only)
+  assert len(first) >= 2 and {name for name, _, _ in first} == {only}
+  # A kernel traced from other source lines (a wrapper frame) is the same kernel.
+  skip_slot = pipeline.skip_slot
+  monkeypatch.setattr(pipeline, "skip_slot", lambda *a: skip_slot(*a))
+  assert lowered_kernels.fingerprints(only) == first
+  # One more barrier wait in each skip step is another kernel.
+  monkeypatch.setattr(pipeline, "skip_slot",
+                      lambda slot, waits, reads, frees: skip_slot(
+                          slot, tuple(waits) + tuple(waits[:1]), reads, frees))
+  changed = lowered_kernels.fingerprints(only)
+  assert [d for *_, d in changed] != [d for *_, d in first]
+  assert lowered_kernels.main(["-k", "no such variant"]) == 2
+  assert "no variant matches" in capsys.readouterr().err
+  import jax
+  assert jax.config.jax_traceback_in_locations_limit != 0  # restored
