@@ -88,10 +88,10 @@ class Geometry:
   # batch row's dS in fp32 into one zeroed ``[1, Hq, Sqp, Skp]`` array (TMA
   # reduce-adds), its CTAs batch-fastest so a tile's adds meet in L2.
   ds_batch_sum: bool = False
-  # With bias_grad and no ds_batch_sum, dS that XLA sums (a bias broadcast over
-  # the batch or heads) under a band with unreached tiles: the dQ kernel writes
-  # only the tiles its walk reaches and leaves the rest unwritten; the sum
-  # (mosaic/dbias_sum.py) reads only the reached ones.
+  # With bias_grad and no ds_batch_sum, dS summed outside the kernel (a bias
+  # broadcast over the batch or heads) under a band with unreached tiles: the
+  # dQ kernel writes only the tiles its walk reaches and leaves the rest
+  # unwritten; the sum (mosaic/dbias_sum.py) reads only the reached ones.
   ds_reached_only: bool = False
   # Backward kernels: the two compute warpgroups share one block of rows (dQ)
   # or keys (dK/dV) in two roles (bwd.py). Above D = 128 one warpgroup's
