@@ -1,10 +1,12 @@
 """dbias from a dQ kernel's per-row dS, reading only the tiles a band reaches:
 one small Pallas-Triton kernel.
 
-Where XLA sums dS over the batch or heads, the Mosaic dQ kernel leaves dS's
-tiles outside the band unwritten (``Geometry.ds_reached_only``). XLA's sum
-still read them, selecting zeros in its read: under a causal band half of
-dS's bytes were read for nothing. Here each program owns one output tile: it
+Where dS is summed over the batch or heads outside the kernel, the Mosaic dQ
+kernel leaves dS's tiles outside the band unwritten
+(``Geometry.ds_reached_only``). A sum in XLA would still read them, selecting
+zeros in its read: under a causal band half of dS's bytes, read for nothing
+(forward+backward 1.04-1.07x slower at B2 S8k and B4 S4k causal, 1.14x under a
+2048-key window, H200, 2026-11-28). Here each program owns one output tile: it
 sums that tile of dS over the batch rows and heads the bias broadcasts over
 (fp32), or writes zeros where the band reaches none of it, without reading dS
 there.

@@ -505,7 +505,7 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
     (512, 512, (None, 0)), (300, 450, (None, 0)), (450, 300, (None, 0)),
     (640, 640, (100, 0)), (640, 512, (130, 70))])
 def test_ds_tiles_outside_the_band_are_left_to_the_sum(seq_q, seq_k, window):
-  """Where XLA sums dS over the batch or heads, the dQ kernel writes only the
+  """Where dS is summed over the batch or heads, the dQ kernel writes only the
   tiles its walk reaches (Geometry.ds_reached_only) and dbias_sum reads only
   those: they are exactly the tiles holding an allowed (row, key) pair, every
   warpgroup's walk covers its row of them, and what the unwritten tiles hold
