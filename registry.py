@@ -23,7 +23,7 @@ log = logging.getLogger("flashjax")
 @dataclasses.dataclass(frozen=True)
 class Platform:
   name: str
-  module: str  # under flashjax.
+  module: str  # under this package
   backends: tuple[str, ...]
 
 
@@ -67,7 +67,9 @@ def load(name: str):
   """The platform's module, or raises ``NotImplementedError`` with why not."""
   p = PLATFORMS[name]
   try:
-    return importlib.import_module(f"flashjax.{p.module}")
+    # Relative to this package, so that a copy imported under another name
+    # (two trees side by side in one process) dispatches to its own kernels.
+    return importlib.import_module(f".{p.module}", __package__)
   except ImportError as e:
     raise NotImplementedError(f"{name}: does not import here ({e})") from e
 

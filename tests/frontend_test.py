@@ -298,6 +298,16 @@ def test_automatic_choice_on_cpu_is_xla():
   assert registry.preferred_order("gpu")[-1] == "xla"
 
 
+def test_a_copy_under_another_name_dispatches_to_its_own_platforms(tmp_path, monkeypatch):
+  # Two trees side by side in one process (an A/B of a change): each one's
+  # registry must load its own kernels, not the installed flashjax's.
+  (tmp_path / "flashjax_copy").symlink_to(flashjax.__path__[0], target_is_directory=True)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  copy = __import__("flashjax_copy.registry").registry
+  assert copy.load("xla").__name__ == "flashjax_copy.xla_cpu"
+  assert registry.load("xla").__name__ == "flashjax.xla_cpu"
+
+
 @CPU_ONLY
 def test_fall_through_logs_once_and_runs_next(monkeypatch, caplog):
   monkeypatch.setattr(registry, "preferred_order",
