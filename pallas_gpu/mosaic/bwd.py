@@ -5,7 +5,7 @@ place with atomic adds).
 
 dK/dV kernel.
 
-One CTA owns ``2 * block_kv`` keys of one (batch, query head). Two compute
+One CTA owns ``2 * block_kv`` keys of one (batch, kv head). Two compute
 warpgroups each keep ``block_kv`` keys of K and V in shared memory and their dK and
 dV accumulators in registers; a memory warpgroup streams the query blocks that
 reach either warpgroup's keys (Q, dO and each row's lse and delta) through a ring of
@@ -22,7 +22,10 @@ masked / plain / masked / skip phases, like the forward (blocks.band_walk); skip
 steps still wait for the slot's data and release it so barrier phases stay in
 step.
 
-dK and dV come out per query head; for grouped heads XLA sums each group.
+With grouped heads the CTA walks the query blocks of each query head of its kv
+head in turn, one pipeline step count across them, and its registers sum dK and
+dV over the group in fp32: XLA summed per-query-head bf16 outputs before, which
+rounded each head's share and moved the group's outputs through memory twice.
 
 By default both kernels run as one launch (:func:`dq_dkv`): every dK/dV CTA, then
 every dQ CTA, so the two grids share one tail.
@@ -209,8 +212,9 @@ def _segment_parts(g: Geometry, seg, b_idx):
 
 def _dkv_program(g: Geometry, dtype):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
-  ``kernel(q, k, v, do, stats, seed, bias, dk, dv, (tile, head, batch), seg,
-  *scoped)`` for key tile ``tile`` of one (query head, batch); ``seed``: the
+  ``kernel(q, k, v, do, stats, seed, bias, dk, dv, (tile, kv head, batch), seg,
+  *scoped)`` for key tile ``tile`` of one (kv head, batch), summing over the
+  kv head's query heads; ``seed``: the
   dropout words (or None); ``bias``: the additive tile (or None), read
   transposed;
   ``seg``: the segment refs (kv ids, q ids, table), shared memory and
@@ -231,7 +235,7 @@ def _dkv_program(g: Geometry, dtype):
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, bias_ref, dk_ref, dv_ref,
              where, seg, smem, bars, free):
     q_free, do_free = free
-    tile, h, b_idx = where
+    tile, kv_h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem, *extra = smem
     q_bar, do_bar, st_bar, k_bar, v_bar, *extra_bars = bars
@@ -240,6 +244,11 @@ def _dkv_program(g: Geometry, dtype):
       (bias_smem,), (bias_bar,) = extra, extra_bars
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_q_ranges(g, tile, visible)
+    # Pipeline steps per query head: the walks of the kv head's query heads
+    # (round j: head kv_h * group + j) count one step sequence, so slots and
+    # barrier phases run on across them.
+    n_steps = hi_c - lo_c
+    slot_of = lambda j, s: lax.rem(j * n_steps + s - lo_c, jnp.int32(stages))
 
     @pl.when(wg < 2)
     def _compute():
@@ -247,7 +256,6 @@ def _dkv_program(g: Geometry, dtype):
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
       k0 = (tile if roles else tile * 2 + wg) * bk
-      kv_h = lax.div(h, jnp.int32(g.group))
       rows = (b_idx, pl.ds(k0, bk), kv_h)
       # One block each, or the shared block unindexed: a ref indexed by a
       # constant and closed over by pl.run_state fails to lower (jax 0.11).
@@ -315,9 +323,9 @@ def _dkv_program(g: Geometry, dtype):
             pt = jnp.where(ok, pt, 0.0)
         return pt, tanh, keep
 
-      def step(s, carry, masked: bool):
+      def step(j, s, carry, masked: bool):
         dk, dv = carry
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        slot = slot_of(j, s)
         pt, tanh, keep = probs_t(s, slot, masked)
         delta = stat(slot, 1)
         plgpu.barrier_wait(do_bar.at[slot])
@@ -341,18 +349,24 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
-      def skip(s, carry):
-        pipeline.skip_slot(lax.rem(s - lo_c, jnp.int32(stages)), (q_bar, st_bar, do_bar),
+      def skip(j, s, carry):
+        pipeline.skip_slot(slot_of(j, s), (q_bar, st_bar, do_bar),
                            (q_ids, bias_tile_t), (do_free, q_free))
         return carry
 
-      walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
-                                           hi_c)
+      def walk(body, carry):
+        """The band walk of each query head of the kv head in turn,
+        ``body(j, s, carry, masked)`` in round ``j``, carrying the sums."""
+        def head(j, carry):
+          return band_walk(functools.partial(body, j), functools.partial(skip, j),
+                           carry, lo_c, (lo, a, bb, hi), hi_c)
+        return head(0, carry) if g.group == 1 else lax.fori_loop(0, g.group, head,
+                                                                 carry)
 
       def write(acc, smem_block, out_ref):
         smem_block[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem_block, out_ref.at[b_idx, pl.ds(k0, bk), h])
+        plgpu.copy_smem_to_gmem(smem_block, out_ref.at[b_idx, pl.ds(k0, bk), kv_h])
 
       if not roles:
         plgpu.barrier_wait(k_bar.at[wg])
@@ -365,13 +379,15 @@ def _dkv_program(g: Geometry, dtype):
 
       (pt_smem,), (pt_full, pt_free) = handover, handover_bars
       # Both warpgroups walk the same range, with no skip steps: the hand-over
-      # buffer of step s is (s - lo) % 2.
-      buffer = lambda s: lax.rem(s - lo, jnp.int32(2))
+      # of step s in round j is the walk's (j * (hi - lo) + s - lo)-th, in
+      # buffer (j * (hi - lo) + s - lo) % 2.
+      handed = lambda j, s: j * (hi - lo) + s - lo
+      buffer = lambda j, s: lax.rem(handed(j, s), jnp.int32(2))
 
-      def p_step(s, dv, masked: bool):
-        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+      def p_step(j, s, dv, masked: bool):
+        slot, buf = slot_of(j, s), buffer(j, s)
         pt, tanh, keep = probs_t(s, slot, masked)
-        pl.when(s - lo >= 2)(lambda: plgpu.barrier_wait(pt_free.at[buf]))
+        pl.when(handed(j, s) >= 2)(lambda: plgpu.barrier_wait(pt_free.at[buf]))
         pt_smem.at[buf][...] = _handover(pt, tanh, keep).astype(jnp.float16)
         plgpu.barrier_arrive(pt_full.at[buf])
         plgpu.barrier_wait(do_bar.at[slot])
@@ -384,9 +400,9 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.barrier_arrive(q_free.at[slot])
         return dv
 
-      def ds_step(s, dk, masked: bool):
+      def ds_step(j, s, dk, masked: bool):
         del masked  # P^T arrives with its zeros
-        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        slot, buf = slot_of(j, s), buffer(j, s)
         plgpu.barrier_wait(do_bar.at[slot])
         plgpu.barrier_wait(st_bar.at[slot])
         delta = stat(slot, 1)
@@ -423,11 +439,11 @@ def _dkv_program(g: Geometry, dtype):
         write(dk * g.softmax_scale, my_v, dk_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    def load_do(s, slot):
+    def load_do(h, s, slot):
       plgpu.copy_gmem_to_smem(do_ref.at[b_idx, pl.ds(s * bq, bq), h],
                               do_smem.at[slot], do_bar.at[slot])
 
-    def load_q(s, slot):
+    def load_q(h, s, slot):
       plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(s * bq, bq), h],
                               q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b_idx, h, :, pl.ds(s * bq, bq)],
@@ -437,14 +453,29 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.copy_gmem_to_smem(qid_ref.at[b_idx, pl.ds(s * bq, bq)],
                                 qid_smem.at[slot], qid_bar.at[slot])
 
-    if additive:
-      load_q = pipeline.with_tile(load_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
-                                  lambda w: pl.ds((tile * 2 + w) * bk, bk),
-                                  lambda s: pl.ds(s * bq, bq), transposed=True)
-    # dO is released after dV and dP^T, Q, the row stats (and the additive
-    # tile) after dK.
-    pl.when(wg == 2)(lambda: pipeline.produce(
-        lo_c, hi_c, stages, ((do_free, load_do), (q_free, load_q)), registers(g)[1]))
+    def loads(h):
+      """Query head ``h``'s ``(free, load(s, slot))`` pairs: dO is released
+      after dV and dP^T, Q, the row stats (and the additive tile) after dK."""
+      with_q = functools.partial(load_q, h)
+      if additive:
+        with_q = pipeline.with_tile(with_q, g, bias_ref, bias_smem, bias_bar, b_idx, h,
+                                    lambda w: pl.ds((tile * 2 + w) * bk, bk),
+                                    lambda s: pl.ds(s * bq, bq), transposed=True)
+      return ((do_free, functools.partial(load_do, h)), (q_free, with_q))
+
+    @pl.when(wg == 2)
+    def _memory():
+      if g.group == 1:
+        pipeline.produce(lo_c, hi_c, stages, loads(kv_h), registers(g)[1])
+        return
+      plgpu.set_max_registers(registers(g)[1], action="decrease")
+
+      @pl.loop(0, g.group * n_steps)
+      def _step(i):
+        s = lo_c + lax.rem(i, n_steps)
+        pipeline.ring_fill(i, stages, [
+            (free, lambda slot, load=load: load(s, slot))
+            for free, load in loads(kv_h * g.group + lax.div(i, n_steps))])
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   own = (bk, d) if roles else (2, bk, d)
@@ -622,7 +653,8 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   ``dropout.kernel_seed(..., positions=True)``, the stats then holding each
   row's dropout key in two more rows; ``bias`` with ``g.bias_dtype``: the
   forward's additive tile ``[B|1, H|1, Sqp, Skp]``. Returns ``dk, dv
-  [B, Skp, Hq, D]`` per query head (q's dtype)."""
+  [B, Skp, Hkv, D]`` (q's dtype), each kv head's summed over its query heads
+  in fp32."""
   scoped, kernel = _dkv_program(g, q.dtype)
   n = len(segments)
 
@@ -631,9 +663,9 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
     ins, rest = _inputs(refs, seed, bias, g)
     _run(kernel, scoped, ins, rest[n:], where, rest[:n])
 
-  shape = (g.batch, g.seq_k_padded, g.heads_q, g.head_dim)
+  shape = (g.batch, g.seq_k_padded, g.heads_kv, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
-                 (g.batch, g.heads_q, g.num_kv_tiles), ("b", "h", "kt"))(
+                 (g.batch, g.heads_kv, g.num_kv_tiles), ("b", "h", "kt"))(
                      q, k, v, do, stats, *_optional(seed, bias), *segments)
 
 
@@ -966,7 +998,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   assert same(g_dq) == same(g_dkv), (same(g_dq), same(g_dkv))
   dkv_scoped, dkv_kernel = _dkv_program(g_dkv, q.dtype)
   n_kv, n_q, heads = g_dkv.num_kv_tiles, g_dq.num_q_tiles, g_dq.heads_q
-  first_dq = n_kv * heads * g_dq.batch
+  first_dq = n_kv * g_dkv.heads_kv * g_dq.batch
   n1, n2 = len(seg_dq), len(seg_dkv)
 
   def program(g_dq):
@@ -981,14 +1013,14 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
       @pl.when(t < first_dq)
       def _():
         _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref),
-             _tiles_fastest(t, n_kv, heads), dkv_seg)
+             _tiles_fastest(t, n_kv, g_dkv.heads_kv), dkv_seg)
 
       @pl.when(t >= first_dq)
       def _():
         _run(dq_kernel, dq_scoped, ins, (dq_ref, ds_ref[0] if ds_ref else None),
              _dq_where(g_dq, t - first_dq), dq_seg)
 
-    kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_q, g_dkv.head_dim)
+    kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_kv, g_dkv.head_dim)
     q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
     out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
                 jax.ShapeDtypeStruct(kv_shape, q.dtype),

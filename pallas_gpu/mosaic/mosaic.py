@@ -279,10 +279,6 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
   else:
     dq, ds = bwd.dq(q, k, v, do, stats, g_dq, seg_dq, seed, tile)
     dk, dv = bwd.dkv(q, k, v, do, stats, g_dkv, seg_dkv, seed, tile)
-  if g_dkv.group > 1:  # per query head -> per kv head, summed in fp32
-    group = lambda x: x.astype(jnp.float32).reshape(
-        x.shape[:2] + (spec.heads_kv, g_dkv.group, x.shape[-1])).sum(3)
-    dk, dv = group(dk), group(dv)
   dsinks = dbias = None
   if spec.num_sinks:
     dsinks = epilogue.sinks_grad(ops.sinks, lse, row_delta)
