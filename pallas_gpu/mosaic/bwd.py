@@ -464,19 +464,10 @@ def _dkv_program(g: Geometry, dtype):
                                     lambda s: pl.ds(s * bq, bq), transposed=True)
       return ((do_free, functools.partial(load_do, h)), (q_free, with_q))
 
-    @pl.when(wg == 2)
-    def _memory():
-      if g.group == 1:
-        pipeline.produce(lo_c, hi_c, stages, loads(kv_h), registers(g)[1])
-        return
-      plgpu.set_max_registers(registers(g)[1], action="decrease")
-
-      @pl.loop(0, g.group * n_steps)
-      def _step(i):
-        s = lo_c + lax.rem(i, n_steps)
-        pipeline.ring_fill(i, stages, [
-            (free, lambda slot, load=load: load(s, slot))
-            for free, load in loads(kv_h * g.group + lax.div(i, n_steps))])
+    query_head = lambda j: kv_h if g.group == 1 else kv_h * g.group + j
+    pl.when(wg == 2)(lambda: pipeline.produce(
+        lo_c, hi_c, stages, lambda j: loads(query_head(j)), registers(g)[1],
+        rounds=g.group))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   own = (bk, d) if roles else (2, bk, d)
@@ -922,7 +913,8 @@ def _dq_program(g: Geometry, dtype):
     # V is released after S and dP, K (and the additive tile) after the dQ
     # product.
     pl.when(wg == 2)(lambda: pipeline.produce(
-        lo_c, hi_c, stages, ((v_free, load_v), (k_free, load_k)), registers(g)[1]))
+        lo_c, hi_c, stages, lambda _: ((v_free, load_v), (k_free, load_k)),
+        registers(g)[1]))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   # Two blocks of rows, or the two column halves of one; two-part slots with

@@ -27,16 +27,24 @@ REGISTERS = (232, 40)
 REGISTERS_WIDE = (240, 24)
 
 
-def produce(lo_c, hi_c, num_stages: int, loads, registers: int):
+def produce(lo_c, hi_c, num_stages: int, loads, registers: int, rounds: int = 1):
   """The memory warpgroup of a one-tile CTA, with ``registers`` per thread: fills
-  the ring for steps ``[lo_c, hi_c)``; ``loads`` are ``(free, load(s, slot))``
-  pairs in the order the consumers release them (see :func:`ring_fill`)."""
+  the ring for steps ``[lo_c, hi_c)``, ``rounds`` times over, one step count
+  across the rounds (the dK/dV kernel's rounds are a kv head's query heads);
+  ``loads(r)`` gives round ``r``'s ``(free, load(s, slot))`` pairs, in the
+  order the consumers release them (see :func:`ring_fill`)."""
   plgpu.set_max_registers(registers, action="decrease")
 
-  @pl.loop(lo_c, hi_c)
-  def _step(s):
-    ring_fill(s - lo_c, num_stages, [(free, lambda slot, load=load: load(s, slot))
-                                     for free, load in loads])
+  def fill(step, s, pairs):
+    ring_fill(step, num_stages, [(free, lambda slot, load=load: load(s, slot))
+                                 for free, load in pairs])
+
+  if rounds == 1:
+    pl.loop(lo_c, hi_c)(lambda s: fill(s - lo_c, s, loads(0)))
+    return
+  n = hi_c - lo_c
+  pl.loop(0, rounds * n)(
+      lambda i: fill(i, lo_c + lax.rem(i, n), loads(lax.div(i, n))))
 
 
 def ring_fill(step, num_stages: int, loads):
