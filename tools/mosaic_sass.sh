@@ -12,13 +12,20 @@
 #                     pinned CUDA 13.5 pip wheels (a venv under
 #                     ${SASS_VENV:-/tmp/cuda13-tools}), disassembles it to
 #                     entry_N.sass and prints the ptxas version, then per kernel
-#                     its spills and the spill stores / loads (STL / LDL) in it
+#                     its spills and the spill stores / loads (STL / LDL) in it.
+#                     With REGISTERS=C/M it compiles copies (regsC-M_entry_N.*)
+#                     whose setmaxnreg values are C for the compute warpgroups
+#                     (.inc) and M for the memory warpgroup (.dec), to see the
+#                     spills of another register split without the GPU host
 # Kernels are numbered in compile order (entry_0, entry_1, ...). On two forward
 # kernels, ptxas 13.5 reported the spill bytes of the H200 host's ptxas
 # (2026-11-27).
+# Spill bytes follow the register split: the single-pass backward of 2e88904 spilled
+# 280 / 176 / 108 bytes at 232/40, 240/24 and 256/24 (2026-11-29).
 # Example: bash tools/mosaic_sass.sh dump /tmp/out/dump python3 my_kernel_script.py
+#          REGISTERS=240/24 bash tools/mosaic_sass.sh sass /tmp/out/dump
 set -uo pipefail
-usage() { sed -n '2,19p' "$0" >&2; exit 2; }
+usage() { sed -n '2,26p' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 stage="$1"; dir="$2"; shift 2
 case "$stage" in
@@ -40,6 +47,15 @@ case "$stage" in
       { echo "could not pack the dumps in $dir" >&2; exit 1; }
     exit $rc ;;
   sass)
+    regs="${REGISTERS:-}"
+    if [ -n "$regs" ]; then
+      inc="${regs%/*}"; dec="${regs#*/}"
+      ok() { [[ "$1" =~ ^[0-9]+$ ]] && (( $1 >= 24 && $1 <= 256 && $1 % 8 == 0 )); }
+      if [[ "$regs" != */* ]] || ! ok "$inc" || ! ok "$dec"; then
+        echo "REGISTERS must be C/M, multiples of 8 from 24 to 256, got '$regs'" >&2
+        exit 2
+      fi
+    fi
     [ -d "$dir" ] || { echo "no folder $dir" >&2; exit 2; }
     if [ -f "$dir/ptx.tar.xz" ]; then tar xJf "$dir/ptx.tar.xz" -C "$dir" || exit 1; fi
     ls "$dir"/entry_*.ptx > /dev/null 2>&1 || { echo "no entry_*.ptx in $dir" >&2; exit 2; }
@@ -55,6 +71,24 @@ case "$stage" in
     "$bin/ptxas" --version | tail -1
     for ptx in "$dir"/entry_*.ptx; do
       base="${ptx%.ptx}"
+      if [ -n "$regs" ]; then
+        if ! grep -q "setmaxnreg" "$ptx"; then
+          echo "$(basename "$base"): no setmaxnreg, REGISTERS does not apply"; continue
+        fi
+        # One memory warpgroup beside the compute ones: past 64K registers per
+        # CTA the launch cannot hand out what setmaxnreg asks for.
+        threads=$(grep -o "maxntid [0-9]*" "$ptx" | head -1 | grep -o "[0-9]*$")
+        if [ -n "$threads" ] && (( (threads / 128 - 1) * inc + dec > 512 )); then
+          wgs=$(( threads / 128 ))
+          echo "note: $((wgs - 1)) x $inc + $dec registers per thread exceed 64K per CTA;" \
+               "ptxas compiles it, a launch would not" >&2
+        fi
+        base="$dir/regs$inc-${dec}_$(basename "$base")"
+        sed -e "s/setmaxnreg\.inc\.sync\.aligned\.u32 [0-9]*/setmaxnreg.inc.sync.aligned.u32 $inc/" \
+            -e "s/setmaxnreg\.dec\.sync\.aligned\.u32 [0-9]*/setmaxnreg.dec.sync.aligned.u32 $dec/" \
+            "$ptx" > "$base.ptx" || exit 1
+        ptx="$base.ptx"
+      fi
       rm -f "$base.cubin" "$base.sass"
       if ! "$bin/ptxas" -arch=sm_90a -O3 -v "$ptx" -o "$base.cubin" > "$base.ptxas-local" 2>&1; then
         echo "ptxas failed on $ptx:" >&2; cat "$base.ptxas-local" >&2; exit 1

@@ -337,6 +337,60 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
     assert bad.returncode == 2, (args, bad.stderr)
 
 
+def test_mosaic_sass_compiles_another_register_split(tmp_path):
+  """tools/mosaic_sass.sh sass with REGISTERS=C/M: each kernel's setmaxnreg
+  values are rewritten in a copy that ptxas compiles, a kernel without them is
+  named and left alone, a split past 64K registers per CTA is flagged, and a
+  malformed split is refused before anything is installed. ptxas and nvdisasm
+  are stand-ins here: the fake ptxas reports the .inc value it was given as
+  its spill bytes."""
+  import os
+  import pathlib
+  import subprocess
+  script = pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
+  bin_dir = tmp_path / "venv/lib/python3.11/site-packages/nvidia/cu13/bin"
+  bin_dir.mkdir(parents=True)
+  (bin_dir / "ptxas").write_text(
+      '#!/usr/bin/env bash\n'
+      '[ "$1" = --version ] && { echo "Build fake"; exit 0; }\n'
+      'for a in "$@"; do case "$a" in *.ptx) src="$a";; esac; done\n'
+      'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+      'cp "$src" "$out"\n'
+      'n=$(grep -o "inc.sync.aligned.u32 [0-9]*" "$src" | grep -o "[0-9]*$" | head -1)\n'
+      'echo "    0 bytes stack frame, ${n:-0} bytes spill stores, 0 bytes spill loads"\n')
+  (bin_dir / "nvdisasm").write_text('#!/usr/bin/env bash\ncat "$2"\n')
+  for tool in ("ptxas", "nvdisasm"):
+    (bin_dir / tool).chmod(0o755)
+  dump = tmp_path / "dump"
+  dump.mkdir()
+  (dump / "entry_0.ptx").write_text(
+      ".maxntid 384, 1, 1\n\tsetmaxnreg.inc.sync.aligned.u32 232;\n"
+      "\tsetmaxnreg.dec.sync.aligned.u32 40;\n")
+  (dump / "entry_1.ptx").write_text(".maxntid 128, 1, 1\n")
+
+  def sass(registers):
+    env = dict(os.environ, SASS_VENV=str(tmp_path / "venv"), REGISTERS=registers)
+    return subprocess.run(["bash", str(script), "sass", str(dump)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+  done = sass("240/24")
+  assert done.returncode == 0, done.stderr
+  assert "regs240-24_entry_0: 240 bytes spill stores, 0 bytes spill loads" in done.stdout
+  assert "entry_1: no setmaxnreg" in done.stdout
+  copy = (dump / "regs240-24_entry_0.ptx").read_text()
+  assert "u32 240;" in copy and "u32 24;" in copy and "232" not in copy
+  assert "u32 232;" in (dump / "entry_0.ptx").read_text()  # the dump is kept
+  assert "exceed 64K" not in done.stderr
+  over = sass("256/24")
+  assert over.returncode == 0 and "exceed 64K" in over.stderr
+  assert "regs256-24_entry_0: 256 bytes spill stores" in over.stdout
+  plain = sass("")
+  assert "entry_0: 232 bytes spill stores" in plain.stdout
+  for bad in ("240", "241/24", "240/16", "x/24"):
+    refused = sass(bad)
+    assert refused.returncode == 2 and "REGISTERS must be C/M" in refused.stderr
+
+
 def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
     tmp_path, capsys, monkeypatch):
   # A throwaway suite of five cases, one failing: dealt over two "GPUs" (on
