@@ -79,8 +79,7 @@ case "$stage" in
         # CTA the launch cannot hand out what setmaxnreg asks for.
         threads=$(grep -o "maxntid [0-9]*" "$ptx" | head -1 | grep -o "[0-9]*$")
         if [ -n "$threads" ] && (( (threads / 128 - 1) * inc + dec > 512 )); then
-          wgs=$(( threads / 128 ))
-          echo "note: $((wgs - 1)) x $inc + $dec registers per thread exceed 64K per CTA;" \
+          echo "note: $((threads / 128 - 1)) x $inc + $dec registers per thread exceed 64K per CTA;" \
                "ptxas compiles it, a launch would not" >&2
         fi
         base="$dir/regs$inc-${dec}_$(basename "$base")"

@@ -39,6 +39,7 @@ def produce(lo_c, hi_c, num_stages: int, loads, registers: int, rounds: int = 1)
     ring_fill(step, num_stages, [(free, lambda slot, load=load: load(s, slot))
                                  for free, load in pairs])
 
+  # One round walks the steps themselves: no division or remainder per step.
   if rounds == 1:
     pl.loop(lo_c, hi_c)(lambda s: fill(s - lo_c, s, loads(0)))
     return
