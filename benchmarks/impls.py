@@ -39,6 +39,19 @@ def _flashjax_platform(module: str, **extra):
   return build
 
 
+def _mosaic_single_pass():
+  """The Mosaic platform with ``MosaicConfig.bwd_single_pass`` on top of each
+  call's default config."""
+  from flashjax.common import spec as spec_lib
+  from flashjax.pallas_gpu.mosaic import mosaic
+
+  def fn(q, k, v, causal, **kw):
+    spec = spec_lib.canonicalize(q, k, v, causal=causal, **kw)[1]
+    config = dataclasses.replace(mosaic.default_config(spec), bwd_single_pass=True)
+    return mosaic.flash_attention(q, k, v, causal=causal, config=config, **kw)
+  return fn
+
+
 def _jax_nn(implementation):
   def build():
     return lambda q, k, v, causal: jax.nn.dot_product_attention(
@@ -93,6 +106,7 @@ def _lucidrains():
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("xla", "flashjax", _flashjax_platform("xla_cpu")),
     Impl("pallas", "flashjax", _flashjax_platform("pallas_gpu.mosaic.mosaic"), ("gpu",)),
+    Impl("pallas-single-pass", "flashjax", _mosaic_single_pass, ("gpu",)),
     Impl("pallas-triton", "flashjax", _flashjax_platform("pallas_gpu.triton.pallas_triton"),
          ("gpu",)),
     Impl("triton", "flashjax", _flashjax_platform("triton_gpu"), ("gpu",)),

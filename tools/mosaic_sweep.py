@@ -8,7 +8,7 @@ Each candidate is a set of MosaicConfig fields, a kernel's as ``kernel.field``,
 e.g. ``fwd.block_kv=64,fwd.num_stages=3`` or ``fwd.persistent=0`` (``-`` is the
 default config). The forward sweep times the forward; ``--bwd`` times
 ``jax.grad`` (forward + backward), e.g. with ``dq.block_kv=128,dkv.block_q=128``
-or ``bwd_one_launch=0``.
+or ``bwd_one_launch=0`` or ``bwd_single_pass=1``.
 """
 
 import sys
@@ -32,7 +32,8 @@ def config(text) -> mosaic.MosaicConfig:
   for item in ([] if text == "-" else text.split(",")):
     name, value = item.split("=")
     kernel, _, field = name.rpartition(".")
-    if field in ("persistent", "bwd_one_launch", "split_tail", "balanced"):
+    if field in ("persistent", "bwd_one_launch", "bwd_single_pass", "split_tail",
+                 "balanced"):
       value = bool(int(value))
     elif field != "backward_kernel":
       value = int(value)

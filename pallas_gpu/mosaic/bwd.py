@@ -31,6 +31,11 @@ each head's share (the mean error against fp32 18-20% higher on an H200,
 By default both kernels run as one launch (:func:`dq_dkv`): every dK/dV CTA, then
 every dQ CTA, so the two grids share one tail.
 
+Single pass (:func:`single_pass`, ``MosaicConfig.bwd_single_pass``): the dK/dV
+kernel alone, which also adds each step's dQ partial into a zeroed fp32 dQ by
+TMA reduce-adds (:func:`_single_pass_dq`): five block products per step instead
+of seven, at the price of dQ's last bits varying between runs.
+
 Above D = 128 (``Geometry.shared_block``) one warpgroup's registers hold one
 64 x 256 fp32 accumulator but not two, so a CTA owns one block, which its two
 compute warpgroups share in two roles (see :func:`_dkv_program`,
@@ -211,13 +216,14 @@ def _segment_parts(g: Geometry, seg, b_idx):
       own_ref, streamed_ref, *pipeline.segment_buffers(smem, bars))
 
 
-def _dkv_program(g: Geometry, dtype):
+def _dkv_program(g: Geometry, dtype, single_pass: bool = False):
   """``(scoped, kernel)``: the dK/dV CTA's shared memory and barriers, and
-  ``kernel(q, k, v, do, stats, seed, bias, dk, dv, (tile, kv head, batch), seg,
-  *scoped)`` for key tile ``tile`` of one (kv head, batch), summing over the
-  kv head's query heads; ``seed``: the
+  ``kernel(q, k, v, do, stats, seed, bias, dk, dv, dq, (tile, kv head, batch),
+  seg, *scoped)`` for key tile ``tile`` of one (kv head, batch), summing over
+  the kv head's query heads; ``seed``: the
   dropout words (or None); ``bias``: the additive tile (or None), read
-  transposed;
+  transposed; ``dq``: with ``single_pass``, the zeroed fp32 dQ that the CTA
+  adds its share into (see :func:`_single_pass_dq`), else None;
   ``seg``: the segment refs (kv ids, q ids, table), shared memory and
   barriers, or None.
 
@@ -232,14 +238,20 @@ def _dkv_program(g: Geometry, dtype):
   roles = g.shared_block
   additive = g.bias_dtype is not None
   assert not (roles and additive), "an additive tile needs head dims <= 128"
+  assert not (single_pass and (roles or g.bias_grad)), (
+      "the single pass needs head dims <= 128 and no dS output")
+  regs = pipeline.REGISTERS_WIDE if single_pass else registers(g)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, st_ref, seed_ref, bias_ref, dk_ref, dv_ref,
-             where, seg, smem, bars, free):
+             dq_ref, where, seg, smem, bars, free):
     q_free, do_free = free
     tile, kv_h, b_idx = where
     wg = lax.axis_index("wg")
     q_smem, do_smem, st_smem, k_smem, v_smem, *extra = smem
     q_bar, do_bar, st_bar, k_bar, v_bar, *extra_bars = bars
+    if single_pass:
+      *extra, dq_smem = extra
+      *extra_bars, dq_bars = extra_bars
     handover, handover_bars = (extra, extra_bars) if roles else ((), ())
     if additive:
       (bias_smem,), (bias_bar,) = extra, extra_bars
@@ -249,11 +261,13 @@ def _dkv_program(g: Geometry, dtype):
     # (round j: head kv_h * group + j) count one step sequence, so slots and
     # barrier phases run on across them.
     n_steps = hi_c - lo_c
-    slot_of = lambda j, s: lax.rem(j * n_steps + s - lo_c, jnp.int32(stages))
+    count = lambda j, s: j * n_steps + s - lo_c  # the CTA's pipeline step
+    slot_of = lambda j, s: lax.rem(count(j, s), jnp.int32(stages))
+    query_head = lambda j: kv_h if g.group == 1 else kv_h * g.group + j
 
     @pl.when(wg < 2)
     def _compute():
-      plgpu.set_max_registers(registers(g)[0], action="increase")
+      plgpu.set_max_registers(regs[0], action="increase")
       pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
       lo, a, bb, hi = (pick(i) for i in range(4))
       k0 = (tile if roles else tile * 2 + wg) * bk
@@ -328,7 +342,11 @@ def _dkv_program(g: Geometry, dtype):
         dk, dv = carry
         slot = slot_of(j, s)
         pt, tanh, keep = probs_t(s, slot, masked)
-        delta = stat(slot, 1)
+        # With the single pass's dQ in registers too, delta is read only where
+        # dS needs it: loaded beside lse it cost 68 bytes of spills per thread
+        # and 9% of the backward's time (H200, 2026-11-29,
+        # docs/reports/2026-11-29-h200-single-pass-backward-spills.md).
+        delta = None if single_pass else stat(slot, 1)
         plgpu.barrier_wait(do_bar.at[slot])
 
         def products(refs):
@@ -340,10 +358,15 @@ def _dkv_program(g: Geometry, dtype):
           # accumulator once at the end instead of every element.
           plgpu.wgmma(dv_ref, _dropped(keep, pt).astype(dtype), do_smem.at[slot])
           dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1)
-          dst = _dscores(pt, _dropped(keep, dpt, inv_keep), col(delta), tanh)
-          plgpu.wgmma(dk_ref, dst.astype(dtype), q_smem.at[slot])
+          dl = stat(slot, 1) if delta is None else delta
+          dst = _dscores(pt, _dropped(keep, dpt, inv_keep), col(dl), tanh).astype(dtype)
+          plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
+          if single_pass:
+            dq_part.hand_over(count(j, s), dst)
           plgpu.wgmma_wait(1)
           plgpu.barrier_arrive(do_free.at[slot])
+          if single_pass:
+            dq_part.previous(count(j, s))
 
         _, dv, dk = pl.run_state(products)(
             (plgpu.ACC.init(zeros((bk, bq))), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
@@ -353,6 +376,10 @@ def _dkv_program(g: Geometry, dtype):
       def skip(j, s, carry):
         pipeline.skip_slot(slot_of(j, s), (q_bar, st_bar, do_bar),
                            (q_ids, bias_tile_t), (do_free, q_free))
+        if single_pass:
+          # The other warpgroup's dQ columns still take this one's (zero) dS^T.
+          dq_part.hand_over(count(j, s), zeros((bk, bq)).astype(dtype))
+          dq_part.previous(count(j, s))
         return carry
 
       def walk(body, carry):
@@ -370,9 +397,16 @@ def _dkv_program(g: Geometry, dtype):
         plgpu.copy_smem_to_gmem(smem_block, out_ref.at[b_idx, pl.ds(k0, bk), kv_h])
 
       if not roles:
+        if single_pass:
+          dq_part = _single_pass_dq(g, dtype, dq_ref, dq_smem, dq_bars, k_smem, k_bar,
+                                    (b_idx, lo_c, n_steps, query_head), zeros)
         plgpu.barrier_wait(k_bar.at[wg])
         plgpu.barrier_wait(v_bar.at[wg])
+        if single_pass:
+          dq_part.start()
         dk, dv = walk(step, (zeros((bk, d)), zeros((bk, d))))
+        if single_pass:
+          dq_part.finish(g.group * n_steps)
         write(dk * g.softmax_scale, my_k, dk_ref)
         write(dv * inv_keep if g.dropout_rate else dv, my_v, dv_ref)
         plgpu.wait_smem_to_gmem(0)
@@ -464,9 +498,8 @@ def _dkv_program(g: Geometry, dtype):
                                     lambda s: pl.ds(s * bq, bq), transposed=True)
       return ((do_free, functools.partial(load_do, h)), (q_free, with_q))
 
-    query_head = lambda j: kv_h if g.group == 1 else kv_h * g.group + j
     pl.when(wg == 2)(lambda: pipeline.produce(
-        lo_c, hi_c, stages, lambda j: loads(query_head(j)), registers(g)[1],
+        lo_c, hi_c, stages, lambda j: loads(query_head(j)), regs[1],
         rounds=g.group))
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -486,7 +519,138 @@ def _dkv_program(g: Geometry, dtype):
     tile_smem, tile_bars = pipeline.tile_slots(g.bias_dtype, stages, bk, bq,
                                                transposed=True)
     smem, bars = smem + (tile_smem,), bars + (tile_bars,)
+  if single_pass:
+    part_smem, part_bars = _single_pass_dq_scoped(g, dtype)
+    smem, bars = smem + (part_smem,), bars + (part_bars,)
   return (smem, bars, _free(stages)) + pipeline.segment_scoped(g, bk, bq), kernel
+
+
+def _split_dq_columns(g: Geometry) -> bool:
+  """Whether each warpgroup of the single pass computes half of dQ's columns
+  over both warpgroups' keys (D = 128), rather than all columns over its own
+  keys (D = 64, where a 32-column half would cut a 128-byte swizzle atom)."""
+  return g.head_dim >= 128
+
+
+def _single_pass_dq_scoped(g: Geometry, dtype):
+  """Shared memory and barriers of the single pass's dQ: each warpgroup's dS^T
+  by step parity, one fp32 staging tile per warpgroup; dS^T ready and free
+  barriers by parity and one barrier for the end of both walks."""
+  bq, bk, d = g.block_q, g.block_kv, g.head_dim
+  cols = d // 2 if _split_dq_columns(g) else d
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=tiled),
+          plgpu.SMEM((2, bq, cols), jnp.float32,
+                     transforms=(plgpu.TilingTransform((8, 32)),
+                                 plgpu.SwizzleTransform(128))))
+  bars = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+          plgpu.Barrier(num_arrivals=2, num_barriers=2),
+          plgpu.Barrier(num_arrivals=2))
+  return smem, bars
+
+
+@dataclasses.dataclass(frozen=True)
+class _SinglePassDq:
+  """A compute warpgroup's share of dQ in the single pass (see
+  :func:`_single_pass_dq`)."""
+  start: object
+  hand_over: object
+  previous: object
+  finish: object
+
+
+def _single_pass_dq(g: Geometry, dtype, dq_ref, smem, bars, k_smem, k_bar, where,
+                    zeros):
+  """The dQ side of the single-pass dK/dV kernel, FlashAttention-3's: for each
+  step's block of rows,
+
+    dQ[rows] += dS K   (over the CTA's 2 * block_kv keys),
+
+  added in fp32 into ``dq_ref`` by TMA reduce-add (partials of different CTAs
+  land in any order, so dQ's last bits may vary between runs). Each warpgroup
+  writes its dS^T to shared memory (``hand_over``); at D = 128 each computes
+  half of dQ's columns over both warpgroups' keys, so it reads the other's
+  dS^T too.
+
+  The dQ product of step n runs in step n + 1 (``previous``): waiting for the
+  other warpgroup's dS^T in the same step would put the warpgroups in lock
+  step, both doing their softmax at once while the tensor cores idle (5-20%
+  slower than two kernels on an H200, 2026-11-22). One step later the other's
+  dS^T is normally long written. Two dS^T buffers by step parity, with
+  ``ready`` and ``free`` barriers, carry the hand-over; ``start`` hands over
+  zeros for the step before the first, so that every step has a previous one
+  and no wgmma sits under a branch, and ``finish(steps)`` adds the last step's
+  partial and waits until the other warpgroup no longer reads this one's K.
+
+  ``where``: ``(batch, lo_c, steps per query head, query_head(round))``;
+  step ``n`` of the CTA is row block ``lo_c + n % steps`` of query head
+  ``query_head(n // steps)``."""
+  bq, bk, d = g.block_q, g.block_kv, g.head_dim
+  b_idx, lo_c, n_steps, query_head = where
+  (ds_smem, stage), (ready, free, done) = smem, bars
+  wg = lax.axis_index("wg")
+  split = _split_dq_columns(g)
+  width = d // 2 if split else d
+  cols = pl.ds(wg * width, width) if split else pl.ds(0, d)
+  parity = lambda n: lax.rem(n + 2, jnp.int32(2))
+
+  def rows_of(n):
+    if g.group == 1:
+      return query_head(0), lo_c + n
+    per = jnp.maximum(n_steps, 1)
+    return query_head(lax.div(n, per)), lo_c + lax.rem(n, per)
+
+  def hand_over(n, dst):
+    """dS^T of step ``n`` for both warpgroups' dQ products (``n`` = -1: the
+    zeros of :func:`start`)."""
+    par = parity(n)
+    if split:
+      pl.when(n >= 1)(lambda: plgpu.barrier_wait(free.at[par]))
+    ds_smem.at[par, wg][...] = dst
+    plgpu.commit_smem()
+    if split:
+      plgpu.barrier_arrive(ready.at[par])
+
+  def previous(n):
+    """Step ``n - 1``'s dQ partial from the dS^T in shared memory, issued after
+    step ``n``'s dK product, which the wait for this one's result completes;
+    added into dQ unless ``n - 1`` is the zero step."""
+    prev = parity(n - 1)
+    if split:
+      plgpu.barrier_wait(ready.at[prev])
+
+    def product(acc_ref):
+      for src in ((0, 1) if split else (wg,)):
+        plgpu.wgmma(acc_ref, compat.transpose_ref(ds_smem.at[prev, src], (1, 0)),
+                    k_smem.at[src, :, cols])
+      return acc_ref[...]
+
+    part = pl.run_scoped(product, plgpu.ACC((bq, width), jnp.float32))
+    if split:
+      plgpu.barrier_arrive(free.at[prev])
+    # The previous reduce-add must have read the staging tile.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage.at[wg][...] = part
+    plgpu.commit_smem()
+
+    @pl.when(n >= 1)
+    def _():
+      h, s = rows_of(n - 1)
+      plgpu.copy_smem_to_gmem(stage.at[wg], dq_ref.at[b_idx, pl.ds(s * bq, bq), h, cols],
+                              reduction_op="add")
+
+  def start():
+    hand_over(jnp.int32(-1), zeros((bk, bq)).astype(dtype))
+    if split:  # this warpgroup's dQ columns read the other's keys too
+      plgpu.barrier_wait(k_bar.at[1 - wg])
+
+  def finish(steps):
+    previous(steps)
+    if split:
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+
+  return _SinglePassDq(start, hand_over, previous, finish)
 
 
 def _free(stages: int):
@@ -653,7 +817,7 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   def entry(*refs):
     where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
     ins, rest = _inputs(refs, seed, bias, g)
-    _run(kernel, scoped, ins, rest[n:], where, rest[:n])
+    _run(kernel, scoped, ins, (*rest[n:], None), where, rest[:n])
 
   shape = (g.batch, g.seq_k_padded, g.heads_kv, g.head_dim)
   return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
@@ -1005,7 +1169,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
 
       @pl.when(t < first_dq)
       def _():
-        _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref),
+        _run(dkv_kernel, dkv_scoped, ins, (dk_ref, dv_ref, None),
              _tiles_fastest(t, n_kv, g_dkv.heads_kv), dkv_seg)
 
       @pl.when(t >= first_dq)
@@ -1023,3 +1187,58 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   res = _launch_dq(program, g_dq, (q, k, v, do, stats,
                                    *_optional(seed, bias), *seg_dq, *seg_dkv))
   return tuple(res[:3]) + (res[3] if g_dq.bias_grad else None,)
+
+
+def single_pass(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
+                seg_dkv=(), seed=None, bias=None):
+  """:func:`dq_dkv`'s gradients from the dK/dV kernel alone: its CTAs also add
+  each step's dQ partial into a zeroed fp32 dQ (:func:`_single_pass_dq`), five
+  block products per step instead of the two kernels' seven. dQ's last bits may
+  vary between runs. Head dims up to 128, no dS for dbias (``g_dq.bias_grad``
+  off); ``bias`` may be a mask's additive tile. Under ``vmap`` the two kernels
+  run: the accumulator is a mutable ref, which cannot batch. Returns ``(dq, dk,
+  dv, None)``, dq in q's dtype."""
+  assert not g_dq.bias_grad and not g_dkv.shared_block
+  scoped, kernel = _dkv_program(g_dkv, q.dtype, single_pass=True)
+  n = len(seg_dkv)
+  dtype = q.dtype
+
+  def entry(*refs):
+    # _launch_accumulating hands the dQ accumulator over last.
+    ins, rest = _inputs(refs, seed, bias, g_dkv)
+    _run(kernel, scoped, ins, tuple(rest[n:]),
+         (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b")), rest[:n])
+
+  kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_kv, g_dkv.head_dim)
+  q_shape = (g_dkv.batch, g_dkv.seq_q_padded, g_dkv.heads_q, g_dkv.head_dim)
+  call = _launch_accumulating(
+      entry, (jax.ShapeDtypeStruct(kv_shape, dtype),) * 2
+      + (jax.ShapeDtypeStruct(q_shape, jnp.float32),),
+      (g_dkv.batch, g_dkv.heads_kv, g_dkv.num_kv_tiles), ("b", "h", "kt"))
+
+  def split(xs):
+    """``(q, k, v, do, stats), seed, bias, seg_dq, seg_dkv`` of ``run``'s operands."""
+    xs = list(xs)
+    seed_x = xs.pop(5) if seed is not None else None
+    bias_x = xs.pop(5) if bias is not None else None
+    n_dq = len(seg_dq)
+    return xs[:5], seed_x, bias_x, xs[5:5 + n_dq], xs[5 + n_dq:]
+
+  @jax.custom_batching.custom_vmap
+  def run(*operands):
+    base, seed_x, bias_x, _, seg = split(operands)
+    dk, dv, dq_sum = call(*base, *_optional(seed_x, bias_x), *seg)
+    return (dq_sum * g_dkv.softmax_scale).astype(dtype), dk, dv
+
+  @run.def_vmap
+  def _two_kernels(axis_size, in_batched, *operands):
+    del axis_size
+
+    def kernels(*xs):
+      base, seed_x, bias_x, sq, skv = split(xs)
+      return dq_dkv(*base, g_dq, g_dkv, sq, skv, seed_x, bias_x)[:3]
+
+    axes = tuple(0 if b else None for b in in_batched)
+    return jax.vmap(kernels, in_axes=axes)(*operands), (True,) * 3
+
+  return run(q, k, v, do, stats, *_optional(seed, bias), *seg_dq, *seg_dkv) + (None,)

@@ -180,6 +180,14 @@ class MosaicConfig:
       instead of two) rather than one after the other. The default config
       picks two launches where they were measured faster
       (:func:`two_launch_backward`).
+    bwd_single_pass: compute dQ in the dK/dV kernel too (FlashAttention-3's
+      backward: five block products per step instead of seven), each CTA
+      adding its fp32 share into dQ with TMA reduce-adds. Those adds land in
+      any order, so dQ's last bits may vary between runs (dK and dV do not):
+      set it False for bit-reproducible gradients. Applies where
+      :func:`single_pass_applies`; elsewhere, and under ``vmap``, the two
+      kernels run. The default config turns it on where it was measured
+      faster (:func:`single_pass_backward`).
     backward: the Pallas-Triton backward's config where that one runs (resolved
       by that platform when None).
   """
@@ -189,6 +197,7 @@ class MosaicConfig:
   dkv: MosaicDkv = MosaicDkv()
   backward_kernel: str = "mosaic"
   bwd_one_launch: bool = True
+  bwd_single_pass: bool = False
   backward: TritonConfig | None = None
 
   def __post_init__(self):
@@ -198,6 +207,8 @@ class MosaicConfig:
                        f"{self.backward_kernel!r}")
     if not isinstance(self.bwd_one_launch, bool):
       raise ValueError(f"bwd_one_launch must be a bool, got {self.bwd_one_launch!r}")
+    if not isinstance(self.bwd_single_pass, bool):
+      raise ValueError(f"bwd_single_pass must be a bool, got {self.bwd_single_pass!r}")
     if self.backward is not None and type(self.backward) is not TritonConfig:
       raise ValueError(f"backward must be a TritonConfig or None, got "
                        f"{self.backward!r}")
@@ -237,7 +248,8 @@ def default_config(spec, tile_itemsize: int | None = None) -> MosaicConfig:
     fwd = MosaicForward(block_kv=128, num_stages=2)
   else:
     fwd = MosaicForward(block_kv=64, num_stages=2)
-  return MosaicConfig(fwd=fwd, bwd_one_launch=not two_launch_backward(spec))
+  return MosaicConfig(fwd=fwd, bwd_one_launch=not two_launch_backward(spec),
+                      bwd_single_pass=single_pass_backward(spec))
 
 
 # From this many queries and keys a full-band D = 128 backward runs as two
@@ -259,6 +271,29 @@ def two_launch_backward(spec) -> bool:
   return (padded_head_dim(spec) == 128 and spec.band.is_full
           and min(spec.seq_q, spec.seq_k) >= TWO_LAUNCH_MIN_LENGTH
           and not has_additive_tile(spec) and not spec.dropout_rate)
+
+
+# From this many queries and keys a full-band D = 128 backward runs as one pass.
+SINGLE_PASS_MIN_LENGTH = 2048
+
+
+def single_pass_backward(spec) -> bool:
+  """Whether the default backward is the single pass
+  (``MosaicConfig.bwd_single_pass``): over the full band at D = 128 with one
+  query head per kv head, from ``SINGLE_PASS_MIN_LENGTH`` queries and keys,
+  without segment ids, an additive tile or dropout. On an H200 (2026-11-29,
+  backward alone, against the default two kernels in one process,
+  docs/reports/2026-11-29-h200-single-pass-backward.md) it was 1.05x as fast
+  at B8 S2k, 1.09x at B2 S8k and 1.14x at B1 S16k (H16). It was slower with a
+  causal band (0.76-0.90x at D = 128), at D = 64 over the full band (0.97x)
+  and with grouped heads (GQA 32:8: 0.93x, causal 0.75x), so those keep the
+  two kernels; D = 64 causal was 1.08x but is one shape, and segment ids, a
+  mask and dropout were not timed."""
+  return (padded_head_dim(spec) == 128 and spec.band.is_full
+          and spec.heads_q == spec.heads_kv
+          and min(spec.seq_q, spec.seq_k) >= SINGLE_PASS_MIN_LENGTH
+          and not spec.has_segment_ids and not has_additive_tile(spec)
+          and not spec.dropout_rate)
 
 
 def has_additive_tile(spec) -> bool:
@@ -322,6 +357,18 @@ def backward_tiles_error(spec, config: MosaicConfig) -> str | None:
   return (f"{why} the Mosaic backward's tiles must be dq={MosaicDq()} and "
           f"dkv={MosaicDkv()} (larger ones do not fit shared memory), got "
           f"dq={config.dq}, dkv={config.dkv}")
+
+
+def single_pass_applies(spec) -> str | None:
+  """Why ``MosaicConfig.bwd_single_pass`` cannot apply to ``spec``, or None: it
+  needs each compute warpgroup to own its keys (head dims up to
+  ``OWN_BLOCK_BWD_MAX_HEAD_DIM``) and no dS output (no bias; a dense mask
+  alone is fine)."""
+  if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
+    return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
+  if spec.bias_shape is not None:
+    return "with a bias (dbias takes the dQ kernel's dS)"
+  return None
 
 
 def uses_mosaic_backward(spec, config: MosaicConfig) -> bool:

@@ -37,7 +37,7 @@ from .config import (BALANCED_MAX_KEYS, BIAS_MAX_HEAD_DIM, HEAD_DIMS,
                      MosaicDkv, MosaicDq, MosaicForward, additive_forwards,
                      backward_tiles_error,
                      default_config, has_additive_tile, mask_alone, padded_head_dim,
-                     sums_dbias_in_kernel,
+                     single_pass_applies, single_pass_backward, sums_dbias_in_kernel,
                      uses_mosaic_backward)
 
 NAME = "pallas-mosaic-gpu"
@@ -273,7 +273,10 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     g_dq = dataclasses.replace(g_dq, ds_reached_only=_ds_reached_only(spec, g_dq))
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
-  if static.config.bwd_one_launch:
+  if static.config.bwd_single_pass and single_pass_applies(spec) is None:
+    dq, dk, dv, ds = bwd.single_pass(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
+                                     seed, tile)
+  elif static.config.bwd_one_launch:
     dq, dk, dv, ds = bwd.dq_dkv(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
                                 seed, tile)
   else:

@@ -65,12 +65,17 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
   def may_vary(self, case):
     """dbias where the dQ kernel sums it with atomic adds
     (``config.sums_dbias_in_kernel``), for a bias in the inputs' dtype (an
-    fp32 one takes Pallas-Triton's backward)."""
-    if case.bias_shape is None or case.bias_dtype != "input":
-      return frozenset()
+    fp32 one takes Pallas-Triton's backward); dq where the default backward
+    is the single pass (``config.single_pass_backward``)."""
     diff, const, static = conformance.make_inputs(case)
-    spec = spec_lib.canonicalize(**diff, **const, **static)[1]
-    return frozenset({"bias"} if mosaic.sums_dbias_in_kernel(spec) else ())
+    ops, spec = spec_lib.canonicalize(**diff, **const, **static)
+    vary = set()
+    if _default_config(ops, spec).bwd_single_pass:
+      vary.add("q")
+    if case.bias_shape is not None and case.bias_dtype == "input":
+      if mosaic.sums_dbias_in_kernel(spec):
+        vary.add("bias")
+    return frozenset(vary)
 
   @pytest.mark.parametrize("kw", [
       dict(), dict(causal=True), dict(seq_q=300, seq_k=200, sliding_window=(50, 10)),
@@ -165,6 +170,60 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     want = config(False)(**diff, **const, **static, return_lse=True)
     np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got["lse"]), np.asarray(want[1]))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU; "
+                    "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
+class TestPallasMosaicGpuSinglePass(TestPallasMosaicGpu):
+  """``MosaicConfig(bwd_single_pass=True)``: the dK/dV kernel also adds dQ in
+  fp32 by TMA reduce-adds, which land in any order, so dq may differ in its
+  last bits between runs. The tests whose backward takes another path (a bias,
+  D > 128) or that are about the forward are left to the suite above."""
+  SUBSET = frozenset({
+      "test_shapes", "test_head_dims", "test_value_head_dim_differs", "test_dtypes",
+      "test_causal_alignment", "test_sliding_window", "test_segment_ids",
+      "test_contiguous_segment_ids", "test_mask", "test_soft_cap", "test_sinks",
+      "test_dropout", "test_combinations", "test_fully_masked_rows",
+      "test_random_cases",
+      "test_single_pass_runs_where_it_applies", "test_single_pass_under_vmap"})
+
+  def attention(self, q, k, v, **kwargs):
+    return _attention_with(
+        lambda spec, cfg: dataclasses.replace(cfg, bwd_single_pass=True))(
+            q, k, v, **kwargs)
+
+  def may_vary(self, case):
+    return super().may_vary(case) | {"q"}
+
+  @pytest.mark.parametrize("kw", [
+      dict(), dict(causal=True, heads_q=4, heads_kv=2), dict(head_dim=64, causal=True),
+      dict(mask_shape=(-1, 1, -1, -1), causal=True)], ids=str)
+  def test_single_pass_runs_where_it_applies(self, kw):
+    """The calls the single pass applies to (config.single_pass_applies), one
+    backward launch, against the reference."""
+    case = conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=448, heads_q=2,
+                                      heads_kv=2, head_dim=128, seed=29), **kw})
+    diff, const, static = conformance.make_inputs(self.resolve(case))
+    spec = spec_lib.canonicalize(**diff, **const, **static)[1]
+    assert mosaic.single_pass_applies(spec) is None
+    self.check(case)
+
+  def test_single_pass_under_vmap(self):
+    """Under vmap the two kernels run instead (the dQ accumulator is a ref):
+    the same gradients as a loop over the mapped axis."""
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    q, k, v = (jax.random.normal(key, (2, 2, 256, 2, 128), jnp.bfloat16) for key in keys)
+    loss = lambda q, k, v: (self.attention(q, k, v, causal=True).astype(
+        jnp.float32) ** 2).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    got = jax.jit(jax.vmap(grad))(q, k, v)
+    for i in range(2):
+      want = jax.jit(grad)(q[i], k[i], v[i])
+      for x, y in zip(got, want):
+        y = np.asarray(y, np.float32)
+        assert np.abs(y).max() > 0
+        np.testing.assert_allclose(np.asarray(x[i], np.float32), y, rtol=0,
+                                   atol=2e-2 * np.abs(y).max())
 
 
 def _geometry(seq_q, seq_k, left, right, block_kv=64):
@@ -878,6 +937,17 @@ VARIANTS = [
     dict(segment_ids=True, sliding_window=(64, 64), contiguous_segments=True,
          bwd_one_launch=False),
     dict(head_dim=192, segment_ids=True, contiguous_segments=True),
+    # The single-pass backward (dQ in the dK/dV kernel): dQ's columns split
+    # between the warpgroups at D = 128, whole at D = 64; grouped heads, a
+    # window and soft cap, segment ids, a mask's tile and dropout. With a bias
+    # the two kernels run (dbias takes the dQ kernel's dS).
+    dict(bwd_single_pass=True), dict(head_dim=64, causal=True, bwd_single_pass=True),
+    dict(seq_q=300, seq_k=200, heads_q=4, heads_kv=2, sliding_window=(50, 10),
+         logits_soft_cap=20.0, bwd_single_pass=True),
+    dict(segment_ids=True, causal=True, bwd_single_pass=True),
+    dict(mask=True, causal=True, bwd_single_pass=True),
+    dict(dropout=True, heads_q=4, heads_kv=2, bwd_single_pass=True),
+    dict(bias=True, causal=True, bwd_single_pass=True),
 ]
 
 
@@ -893,6 +963,7 @@ def test_every_variant_lowers_for_cuda(variant):
   split_tail = kw.pop("split_tail", False)
   balanced = kw.pop("balanced", None)
   one_launch = kw.pop("bwd_one_launch", True)
+  single_pass = kw.pop("bwd_single_pass", False)
   sd = jax.ShapeDtypeStruct
   b, sq, sk, hq = shape["batch"], shape["seq_q"], shape["seq_k"], shape["heads_q"]
   q = sd((b, sq, hq, shape["head_dim"]), dtype)
@@ -939,7 +1010,8 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
-    config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch)
+    config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch,
+                                 bwd_single_pass=single_pass)
     static = platform.Static(dataclasses.replace(
         config, backward=pallas_triton.default_config(spec)))
     out, lse = mosaic.forward(ops, spec, static)
@@ -948,9 +1020,12 @@ def test_every_variant_lowers_for_cuda(variant):
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
   # Forward, dQ and dK/dV kernels (one launch or two), with an additive tile
-  # too.
-  mosaic_bwd_launches = 1 if one_launch else 2
+  # too; or the single pass's one kernel, whose dQ goes out by reduce-adds
+  # (with a bias the two kernels run).
+  fused = single_pass and "bias" not in names
+  mosaic_bwd_launches = 1 if one_launch or fused else 2
   assert text.count("custom_call @mosaic_gpu") == 1 + mosaic_bwd_launches
+  assert ("cp.reduce.async.bulk" in text) == fused
   # The dK/dV kernel reads the additive tile transposed itself: XLA makes no
   # transposed copy of it (the pattern is checked on a swapaxes' own text).
   swapped = jax.jit(lambda x: jnp.swapaxes(x, 2, 3)).trace(
@@ -1068,6 +1143,8 @@ def test_config_validation():
          (mosaic.MosaicDkv, dict(block_q=40), "MosaicDkv: block_q .* got 40"),
          (mosaic.MosaicConfig, dict(backward_kernel="cudnn"), "backward_kernel .*cudnn"),
          (mosaic.MosaicConfig, dict(bwd_one_launch=1), "bwd_one_launch .* got 1"),
+         (mosaic.MosaicConfig, dict(bwd_single_pass="yes"),
+          "bwd_single_pass must be a bool, got 'yes'"),
          (mosaic.MosaicConfig, dict(dq=mosaic.MosaicDkv()),
           "MosaicConfig: dq must be a MosaicDq, got MosaicDkv")]
   for cls, kw, match in bad:
@@ -1112,6 +1189,74 @@ def test_backward_kernel_choice():
   assert g_dq.shared_block and g_dkv.shared_block
   assert (g_dq.seq_q_padded, g_dq.seq_k_padded) == (384, 256)
   assert (g_dq.num_q_tiles, g_dkv.num_kv_tiles) == (6, 4)
+
+
+def test_single_pass_default_where_it_was_measured_to_pay():
+  """The default config's backward is the single pass over the full band at
+  D = 128, one query head per kv head, from 2048 queries and keys, with no
+  segment ids, additive tile or dropout (config.single_pass_backward)."""
+  sd = jax.ShapeDtypeStruct
+  def on(seq=2048, d=128, heads=(16, 16), **kw):
+    spec = spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=heads[0],
+                                  heads_kv=heads[1], head_dim=d, dtype="bfloat16",
+                                  **kw)
+    assert mosaic.single_pass_backward(spec) == mosaic.default_config(
+        spec).bwd_single_pass
+    return mosaic.single_pass_backward(spec)
+  assert on() and on(seq=16384) and on(d=96)
+  assert not on(seq=1024)
+  assert not on(causal=True)
+  assert not on(sliding_window=(512, 512))
+  assert not on(d=64)
+  assert not on(d=256)
+  assert not on(heads=(32, 8))
+  assert not on(dropout_rate=0.1)
+  assert not on(mask=sd((2, 1, 2048, 2048), jnp.bool_))
+  assert not on(segment_ids=(sd((2, 2048), jnp.int32),) * 2)
+
+
+@pytest.mark.parametrize("how", ["plain", "sharded", "mapped"])
+def test_single_pass_lowers_under_shard_map_and_falls_back_under_vmap(how):
+  """The single pass's dQ accumulator is a ref aliased through the kernel: it
+  lowers inside shard_map (ring hops, sharded batches) as on its own, one
+  backward launch with reduce-adds; under vmap, where a ref cannot batch, the
+  two kernels run instead."""
+  sd = jax.ShapeDtypeStruct
+  q = sd((2, 256, 2, 128), jnp.bfloat16)
+
+  def bwd(q, k, v):
+    ops, spec = spec_lib.canonicalize(q, k, v)
+    config = dataclasses.replace(_default_config(ops, spec), bwd_single_pass=True)
+    static = platform.Static(dataclasses.replace(
+        config, backward=pallas_triton.default_config(spec)))
+    out, lse = mosaic.forward(ops, spec, static)
+    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse)).q
+  if how == "mapped":
+    bwd, q = jax.vmap(bwd), sd((3,) + q.shape, q.dtype)
+  if how == "sharded":
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    rows = jax.sharding.PartitionSpec("x")
+    bwd = jax.shard_map(bwd, mesh=mesh, in_specs=(rows,) * 3, out_specs=rows,
+                        check_vma=True)
+  text = jax.jit(bwd).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  fused = how != "mapped"
+  assert text.count("custom_call @mosaic_gpu") == 1 + 1
+  assert ("cp.reduce.async.bulk" in text) == fused
+
+
+def test_single_pass_applies_up_to_d128_without_a_bias():
+  """MosaicConfig.bwd_single_pass: head dims up to 128, a mask alone allowed;
+  a bias (dbias from the dQ kernel's dS) and D > 128 take the two kernels."""
+  sd = jax.ShapeDtypeStruct
+  s = lambda d, **kw: spec_lib.abstract_spec(batch=2, seq_q=256, seq_k=256, heads_q=2,
+                                             head_dim=d, dtype="bfloat16", **kw)
+  assert mosaic.single_pass_applies(s(64)) is None
+  assert mosaic.single_pass_applies(s(96, causal=True)) is None
+  assert mosaic.single_pass_applies(s(128, mask=sd((2, 1, 256, 256), jnp.bool_))) is None
+  assert "head dim 128" in mosaic.single_pass_applies(s(192))
+  assert "bias" in mosaic.single_pass_applies(
+      s(128, bias=sd((1, 2, 256, 256), jnp.bfloat16)))
+  assert not mosaic.MosaicConfig().bwd_single_pass  # the default_config decides
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
