@@ -8,16 +8,18 @@
 #                     writes its MLIR pass logs there too (about 125 MB per
 #                     kernel with jax 0.11.2); they are not packed.
 #   sass DIR          anywhere with pip access: unpacks DIR/ptx.tar.xz if present,
-#                     compiles each entry_N.ptx for sm_90a with ptxas from the
-#                     pinned CUDA 13.5 pip wheels (a venv under
+#                     compiles each kernel's NAME_N.ptx for sm_90a with ptxas
+#                     from the pinned CUDA 13.5 pip wheels (a venv under
 #                     ${SASS_VENV:-/tmp/cuda13-tools}), disassembles it to
-#                     entry_N.sass and prints the ptxas version, then per kernel
+#                     NAME_N.sass and prints the ptxas version, then per kernel
 #                     its spills and the spill stores / loads (STL / LDL) in it.
-#                     With REGISTERS=C/M it compiles copies (regsC-M_entry_N.*)
+#                     With REGISTERS=C/M it compiles copies (regsC-M_NAME_N.*)
 #                     whose setmaxnreg values are C for the compute warpgroups
 #                     (.inc) and M for the memory warpgroup (.dec), to see the
 #                     spills of another register split without the GPU host
-# Kernels are numbered in compile order (entry_0, entry_1, ...). On two forward
+# Kernels are named by their Pallas body function (entry for plgpu.kernel, body
+# for the kernels with an accumulator that pl.kernel runs) and numbered in
+# compile order (entry_0, body_1, ...). On two forward
 # kernels, ptxas 13.5 reported the spill bytes of the H200 host's ptxas
 # (2026-11-27).
 # Spill bytes follow the register split: the single-pass backward of 2e88904 spilled
@@ -25,7 +27,7 @@
 # Example: bash tools/mosaic_sass.sh dump /tmp/out/dump python3 my_kernel_script.py
 #          REGISTERS=240/24 bash tools/mosaic_sass.sh sass /tmp/out/dump
 set -uo pipefail
-usage() { sed -n '2,26p' "$0" >&2; exit 2; }
+usage() { sed -n '2,28p' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 stage="$1"; dir="$2"; shift 2
 case "$stage" in
@@ -38,12 +40,12 @@ case "$stage" in
     mkdir -p "$dir"
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dir" "$@"
     rc=$?
-    if ! ls "$dir"/entry_*.ptx > /dev/null 2>&1; then
-      echo "the command compiled no Mosaic kernel: no entry_*.ptx in $dir" >&2
+    if ! ls "$dir"/*_[0-9]*.ptx > /dev/null 2>&1; then
+      echo "the command compiled no Mosaic kernel: no NAME_N.ptx in $dir" >&2
       exit $(( rc ? rc : 1 ))
     fi
     grep -H "spill" "$dir"/*.ptxas
-    (cd "$dir" && tar cJf ptx.tar.xz entry_*.ptx entry_*.ptxas) ||
+    (cd "$dir" && tar cJf ptx.tar.xz *_[0-9]*.ptx *_[0-9]*.ptxas) ||
       { echo "could not pack the dumps in $dir" >&2; exit 1; }
     exit $rc ;;
   sass)
@@ -58,7 +60,7 @@ case "$stage" in
     fi
     [ -d "$dir" ] || { echo "no folder $dir" >&2; exit 2; }
     if [ -f "$dir/ptx.tar.xz" ]; then tar xJf "$dir/ptx.tar.xz" -C "$dir" || exit 1; fi
-    ls "$dir"/entry_*.ptx > /dev/null 2>&1 || { echo "no entry_*.ptx in $dir" >&2; exit 2; }
+    ls "$dir"/*_[0-9]*.ptx > /dev/null 2>&1 || { echo "no NAME_N.ptx in $dir" >&2; exit 2; }
     venv="${SASS_VENV:-/tmp/cuda13-tools}"
     find_bin() { ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13/bin 2>/dev/null | head -1; }
     bin=$(find_bin)
@@ -69,8 +71,9 @@ case "$stage" in
       [ -n "$bin" ] || { echo "no ptxas in $venv after the install" >&2; exit 1; }
     fi
     "$bin/ptxas" --version | tail -1
-    for ptx in "$dir"/entry_*.ptx; do
+    for ptx in "$dir"/*_[0-9]*.ptx; do
       base="${ptx%.ptx}"
+      case "$(basename "$base")" in regs*) continue ;; esac  # an earlier run's copies
       if [ -n "$regs" ]; then
         if ! grep -q "setmaxnreg" "$ptx"; then
           echo "$(basename "$base"): no setmaxnreg, REGISTERS does not apply"; continue

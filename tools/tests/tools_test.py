@@ -37,11 +37,12 @@ def test_mosaic_sweep_parses_candidates():
   from flashjax.pallas_gpu import mosaic
   assert mosaic_sweep.config("-") == mosaic.MosaicConfig()
   cfg = mosaic_sweep.config("fwd.block_kv=64,fwd.num_stages=3,fwd.persistent=0,"
-                            "dq.block_kv=128,dkv.num_stages=3,bwd_one_launch=0")
+                            "dq.block_kv=128,dkv.num_stages=3,bwd_one_launch=0,"
+                            "bwd_single_pass=1")
   assert cfg == mosaic.MosaicConfig(
       fwd=mosaic.MosaicForward(block_kv=64, num_stages=3, persistent=False),
       dq=mosaic.MosaicDq(block_kv=128), dkv=mosaic.MosaicDkv(num_stages=3),
-      bwd_one_launch=False)
+      bwd_one_launch=False, bwd_single_pass=True)
   with pytest.raises(TypeError):
     mosaic_sweep.config("stages=3")  # the old flat field names
 
@@ -314,14 +315,20 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
       'test "$MOSAIC_GPU_DUMP_PTX$MOSAIC_GPU_DUMP_PTXAS" = 11 || exit 9; '
       'echo ".version 9.0" > "$MOSAIC_GPU_DUMP_TO/entry_0.ptx"; '
       'echo "    8 bytes spill stores, 24 bytes spill loads" '
-      '> "$MOSAIC_GPU_DUMP_TO/entry_0.ptxas"; exit 3')
+      '> "$MOSAIC_GPU_DUMP_TO/entry_0.ptxas"; '
+      'echo ".version 9.0" > "$MOSAIC_GPU_DUMP_TO/body_1.ptx"; '
+      'echo "    0 bytes spill stores, 0 bytes spill loads" '
+      '> "$MOSAIC_GPU_DUMP_TO/body_1.ptxas"; '
+      'echo log > "$MOSAIC_GPU_DUMP_TO/entry_0.mlir"; exit 3')
   dump = tmp_path / "dump"
   done = subprocess.run(["bash", str(script), "dump", str(dump), "bash", "-c",
                          fake_compile], capture_output=True, text=True, timeout=60)
   assert done.returncode == 3, done.stderr
   assert "entry_0.ptxas:    8 bytes spill stores, 24 bytes spill loads" in done.stdout
   with tarfile.open(dump / "ptx.tar.xz") as packed:
-    assert sorted(packed.getnames()) == ["entry_0.ptx", "entry_0.ptxas"]
+    # Every kernel, whatever its name (body: pl.kernel's), not the pass logs.
+    assert sorted(packed.getnames()) == ["body_1.ptx", "body_1.ptxas", "entry_0.ptx",
+                                         "entry_0.ptxas"]
   # A folder of earlier dumps is refused; a command that compiles no kernel
   # fails even when it exits 0.
   again = subprocess.run(["bash", str(script), "dump", str(dump), "true"],
@@ -329,7 +336,7 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
   assert again.returncode == 2 and "not empty" in again.stderr
   none = subprocess.run(["bash", str(script), "dump", str(tmp_path / "new"), "true"],
                         capture_output=True, text=True, timeout=60)
-  assert none.returncode == 1 and "no entry_*.ptx" in none.stderr
+  assert none.returncode == 1 and "no NAME_N.ptx" in none.stderr
   for args in ([], ["dump", str(dump)], ["sass", str(tmp_path / "none")],
                ["sass", str(tmp_path / "new")], ["nonsense", str(dump)]):
     bad = subprocess.run(["bash", str(script), *args], capture_output=True,
@@ -366,7 +373,7 @@ def test_mosaic_sass_compiles_another_register_split(tmp_path):
   (dump / "entry_0.ptx").write_text(
       ".maxntid 384, 1, 1\n\tsetmaxnreg.inc.sync.aligned.u32 232;\n"
       "\tsetmaxnreg.dec.sync.aligned.u32 40;\n")
-  (dump / "entry_1.ptx").write_text(".maxntid 128, 1, 1\n")
+  (dump / "body_1.ptx").write_text(".maxntid 128, 1, 1\n")
 
   def sass(registers):
     env = dict(os.environ, SASS_VENV=str(tmp_path / "venv"), REGISTERS=registers)
@@ -376,7 +383,7 @@ def test_mosaic_sass_compiles_another_register_split(tmp_path):
   done = sass("240/24")
   assert done.returncode == 0, done.stderr
   assert "regs240-24_entry_0: 240 bytes spill stores, 0 bytes spill loads" in done.stdout
-  assert "entry_1: no setmaxnreg" in done.stdout
+  assert "body_1: no setmaxnreg" in done.stdout
   copy = (dump / "regs240-24_entry_0.ptx").read_text()
   assert "u32 240;" in copy and "u32 24;" in copy and "232" not in copy
   assert "u32 232;" in (dump / "entry_0.ptx").read_text()  # the dump is kept
@@ -386,6 +393,7 @@ def test_mosaic_sass_compiles_another_register_split(tmp_path):
   assert "regs256-24_entry_0: 256 bytes spill stores" in over.stdout
   plain = sass("")
   assert "entry_0: 232 bytes spill stores" in plain.stdout
+  assert "regs240-24" not in plain.stdout  # the earlier copies are not kernels
   for bad in ("240", "241/24", "240/16", "x/24"):
     refused = sass(bad)
     assert refused.returncode == 2 and "REGISTERS must be C/M" in refused.stderr
