@@ -98,6 +98,17 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
         lambda spec, cfg: dataclasses.replace(cfg, bwd_one_launch=False))
     self.check(conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=384, seed=43), **kw}))
 
+  def test_default_backward_is_the_single_pass_over_long_full_bands(self):
+    """From 2048 queries and keys over the full band at D = 128 the default
+    config's backward is the single pass (config.single_pass_backward), with
+    its dq allowed to vary between runs (may_vary)."""
+    case = conformance.Case(batch=1, seq_q=2048, seq_k=2048, heads_q=2, heads_kv=2,
+                            head_dim=128, seed=31)
+    diff, const, static = conformance.make_inputs(self.resolve(case))
+    ops, spec = spec_lib.canonicalize(**diff, **const, **static)
+    assert _default_config(ops, spec).bwd_single_pass
+    self.check(case)
+
   @pytest.mark.parametrize("one_launch,causal,dropout", [
       (True, True, 0.0), (False, False, 0.0), (True, True, 0.2)])
   def test_dbias_summed_over_the_batch_in_the_kernel(self, one_launch, causal, dropout):
@@ -1244,6 +1255,22 @@ def test_single_pass_lowers_under_shard_map_and_falls_back_under_vmap(how):
   assert ("cp.reduce.async.bulk" in text) == fused
 
 
+def test_may_vary_names_the_gradients_of_reduce_adds():
+  """The GPU suite's repeat check lets exactly these gradients differ between
+  runs: dbias where the dQ kernel sums it over the batch, dq where the default
+  backward is the single pass, either where the instance forces it."""
+  base, single = TestPallasMosaicGpu(), TestPallasMosaicGpuSinglePass()
+  vary = lambda suite, **kw: suite.may_vary(base.resolve(conformance.Case(**{
+      **dict(batch=2, seq_q=256, seq_k=256, heads_q=2, heads_kv=2, head_dim=128),
+      **kw})))
+  assert vary(base) == frozenset() and vary(single) == {"q"}
+  assert vary(base, batch=1, seq_q=2048, seq_k=2048) == {"q"}
+  assert vary(base, batch=1, seq_q=2048, seq_k=2048, causal=True) == frozenset()
+  summed = dict(batch=8, bias_shape=(1, -1, -1, -1), bias_dtype="input")
+  assert vary(base, **summed) == {"bias"}
+  assert vary(single, **summed) == {"bias", "q"}
+
+
 def test_single_pass_applies_up_to_d128_without_a_bias():
   """MosaicConfig.bwd_single_pass: head dims up to 128, a mask alone allowed;
   a bias (dbias from the dQ kernel's dS) and D > 128 take the two kernels."""
@@ -1547,11 +1574,11 @@ def test_blocks_between_documents_are_skipped(causal):
       head_dim=64)
 
 
-def _windows(seq_q, causal, head_dim=128):
+def _windows(seq_q, causal, head_dim=128, single_pass=False):
   """Operands as rows.Rows windows, as a ring hop passes them: q and dO rows
   ``[128, 128 + seq_q)`` of 512-row arrays, K and V batch entries ``[0, 2)``
   and ``[2, 4)`` of one buffer, at key rows ``[256, 512)``; with the spec and
-  config of the windows' shapes."""
+  config of the windows' shapes (with the single-pass backward if asked)."""
   from flashjax.common import rows
   ks = jax.random.split(jax.random.key(5), 4)
   q_base, do_base = (jax.random.normal(k, (2, 512, 4, head_dim), jnp.bfloat16)
@@ -1561,7 +1588,8 @@ def _windows(seq_q, causal, head_dim=128):
   k, v = rows.Rows(kv_base, 0, 2, 256, 256), rows.Rows(kv_base, 2, 2, 256, 256)
   ops, spec = spec_lib.canonicalize(*rows.materialize((q, k, v)), causal=causal)
   static = platform.Static(dataclasses.replace(
-      mosaic.default_config(spec), backward=pallas_triton.default_config(spec)))
+      mosaic.default_config(spec), backward=pallas_triton.default_config(spec),
+      bwd_single_pass=single_pass))
   dlse = jax.random.normal(ks[3], (2, 4, seq_q), jnp.float32)
   return ops._replace(q=q, k=k, v=v), spec, static, do, dlse
 
@@ -1578,12 +1606,14 @@ def test_windows_are_read_in_place():
   of 200 rows (padded to a tile) is sliced and padded."""
   from flashjax.common import rows
   assert mosaic.forward.takes_rows and mosaic.backward.takes_rows
-  for seq_q, in_place in ((256, True), (200, False)):
-    ops, spec, static, do, dlse = _windows(seq_q, causal=True)
+  for seq_q, in_place, single_pass in ((256, True, False), (200, False, False),
+                                       (256, True, True)):
+    ops, spec, static, do, dlse = _windows(seq_q, causal=True, single_pass=single_pass)
     text = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse)).trace(
         ops, do).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    assert len(calls) == 2, calls  # forward, one-launch backward
+    assert len(calls) == 2, calls  # forward, one-launch backward (or single pass)
+    assert ("cp.reduce.async.bulk" in text) == single_pass
     for call in calls:
       # K and V: one operand type twice, the whole buffer.
       assert call.count("tensor<4x512x2x128xbf16>") == 2, call
@@ -1612,9 +1642,10 @@ def _assert_within_bf16_ulps(a, b, ulps: int, name: str):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("seq_q,causal,head_dim", [
-    (256, True, 128), (256, False, 128), (200, True, 128), (256, True, 256)])
-def test_windows_equal_their_slices(seq_q, causal, head_dim):
+@pytest.mark.parametrize("seq_q,causal,head_dim,single_pass", [
+    (256, True, 128, False), (256, False, 128, False), (200, True, 128, False),
+    (256, True, 256, False), (256, False, 128, True), (200, True, 128, True)])
+def test_windows_equal_their_slices(seq_q, causal, head_dim, single_pass):
   """Outputs and lse from windows read in place equal those of the same windows
   sliced out bit for bit (the kernels run the same arithmetic on the same
   data), gradients within two bf16 ulps, and all equal the reference's; at
@@ -1625,9 +1656,11 @@ def test_windows_equal_their_slices(seq_q, causal, head_dim):
   (2026-11-26) it differed between the two programs in 3 of 4 processes (1004
   of 2048 deltas, then 2 dq and 1 dk elements of 524,288 one or two ulps
   apart), and in none of 4 with --xla_gpu_autotune_level=0. A window read at
-  the wrong offset is off by far more than two ulps."""
+  the wrong offset is off by far more than two ulps. The single-pass backward
+  reads the same windows; its dq's reduce-adds land in any order, within the
+  same two ulps."""
   from flashjax.common import reference, rows
-  ops, spec, static, do, dlse = _windows(seq_q, causal, head_dim)
+  ops, spec, static, do, dlse = _windows(seq_q, causal, head_dim, single_pass)
   run = jax.jit(lambda o, d: _forward_backward(o, spec, static, d, dlse))
   got = run(ops, do)
   want = run(*rows.materialize((ops, do)))
