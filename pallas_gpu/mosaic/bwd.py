@@ -262,7 +262,7 @@ def _dkv_program(g: Geometry, dtype, single_pass: bool = False):
     # barrier phases run on across them.
     n_steps = hi_c - lo_c
     count = lambda j, s: j * n_steps + s - lo_c  # the CTA's pipeline step
-    slot_of = lambda j, s: lax.rem(count(j, s), jnp.int32(stages))
+    slot_of = lambda j, s: pipeline.ring_slot(count(j, s), stages)
     query_head = lambda j: kv_h if g.group == 1 else kv_h * g.group + j
 
     @pl.when(wg < 2)
@@ -854,6 +854,7 @@ def _dq_program(g: Geometry, dtype):
     k_free, v_free = free
     visible, ids = _segment_parts(g, seg, b_idx)
     ranges, lo_c, hi_c = cta_block_ranges(g, tile, visible)
+    slot_of = lambda s: pipeline.ring_slot(s - lo_c, stages)
 
     @pl.when(wg < 2)
     def _compute():
@@ -952,7 +953,7 @@ def _dq_program(g: Geometry, dtype):
         return p, tanh
 
       def step(s, acc, masked: bool):
-        slot = lax.rem(s - lo_c, jnp.int32(stages))
+        slot = slot_of(s)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         keep = keep_of(s)
@@ -978,8 +979,8 @@ def _dq_program(g: Geometry, dtype):
         return acc
 
       def skip(s, carry):
-        pipeline.skip_slot(lax.rem(s - lo_c, jnp.int32(stages)), (k_bar, v_bar),
-                           (kv_ids, bias_tile), (v_free, k_free))
+        pipeline.skip_slot(slot_of(s), (k_bar, v_bar), (kv_ids, bias_tile),
+                           (v_free, k_free))
         return carry
 
       walk = lambda body, carry: band_walk(body, skip, carry, lo_c, (lo, a, bb, hi),
@@ -1006,7 +1007,7 @@ def _dq_program(g: Geometry, dtype):
       buffer = lambda s: lax.rem(s - lo, jnp.int32(2))
 
       def p_step(s, acc, masked: bool):
-        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        slot, buf = slot_of(s), buffer(s)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])  # V is warpgroup 1's
         scores = _product_over_halves(q_smem, k_smem.at[slot], (bq, bk))
@@ -1026,7 +1027,7 @@ def _dq_program(g: Geometry, dtype):
 
       def ds_step(s, acc, masked: bool):
         del masked  # P arrives with its zeros
-        slot, buf = lax.rem(s - lo_c, jnp.int32(stages)), buffer(s)
+        slot, buf = slot_of(s), buffer(s)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         dp = _product_over_halves(do_smem, v_smem.at[slot], (bq, bk))

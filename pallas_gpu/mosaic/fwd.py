@@ -191,7 +191,7 @@ def forward(q, k, v, g: Geometry, segments=(), bias=None, seed=None):
         b_idx, h, tile, r0 = rows_of(t)
         pick = lambda i: jnp.where(wg == 0, ranges[0][i], ranges[1][i])
         lo, a, bb, hi = (pick(i) for i in range(4))
-        slot_of = lambda s: lax.rem(base + s - lo_c, jnp.int32(stages))
+        slot_of = lambda s: pipeline.ring_slot(base + s - lo_c, stages)
         plgpu.barrier_wait(q_bar.at[wg])
         own = None  # the rows' ids or key spans, with segment ids
         if g.segments:

@@ -48,13 +48,19 @@ def produce(lo_c, hi_c, num_stages: int, loads, registers: int, rounds: int = 1)
       lambda i: fill(i, lo_c + lax.rem(i, n), loads(lax.div(i, n))))
 
 
+def ring_slot(step, num_stages: int):
+  """The ring slot of global pipeline step ``step``: producer and consumers
+  count the same steps, so they meet in the same slot."""
+  return lax.rem(step, jnp.int32(num_stages))
+
+
 def ring_fill(step, num_stages: int, loads):
   """Fills the ring slot of global pipeline step ``step`` (``step % num_stages``):
   each ``(free, load)`` pair waits, from the ring's second round on, until every
   consumer released the slot's previous contents on ``free``, then issues
   ``load(slot)``. A persistent kernel keeps counting steps across its tiles, so
   slots and barrier phases stay in step."""
-  slot = lax.rem(step, jnp.int32(num_stages))
+  slot = ring_slot(step, num_stages)
   for free, load in loads:
     pl.when(step >= num_stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
     load(slot)
