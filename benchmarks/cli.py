@@ -38,7 +38,8 @@ def _parser():
                  "of --shapes whose names start with one (e.g. B1-8x2048, to "
                  "split a long set over several runs)")
   p.add_argument("--impls", help="comma-separated implementations "
-                 f"({', '.join(impls.IMPLS)}); default: all for this backend")
+                 f"({', '.join(impls.IMPLS)}); default: all for this backend but "
+                 "the pallas-single-pass and pallas-two-kernels variants")
   p.add_argument("--directions", default="fwd,bwd,fwd_bwd",
                  help="comma-separated, of fwd, bwd, fwd_bwd and jvp (jax.jvp in "
                  "q, k, v: the forward and its tangent)")

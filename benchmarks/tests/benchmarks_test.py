@@ -51,6 +51,18 @@ def test_unavailable_peer_has_a_reason():
   assert fn is None and "unknown" in reason
 
 
+def test_backward_variants_run_when_named_only():
+  """The Mosaic single pass and two kernels side by side: named in --impls,
+  not in the default set, where "pallas" is the default config's choice."""
+  gpu = impls.default_names("gpu")
+  assert "pallas" in gpu
+  assert "pallas-single-pass" not in gpu and "pallas-two-kernels" not in gpu
+  for name in ("pallas-single-pass", "pallas-two-kernels"):
+    assert impls.IMPLS[name].backends == ("gpu",)
+    fn, reason = impls.build(name)  # GPU only
+    assert fn is None and "backend" in reason
+
+
 def _package_files(root):
   """Files under the package folder, less caches (.hypothesis, __pycache__,
   a checkout's .venv) that concurrent tests may write."""

@@ -151,6 +151,44 @@ def test_second_run_must_be_bit_identical_on_a_device(monkeypatch):
     suite.check(conformance.Case())
 
 
+@pytest.mark.parametrize("size,passes", [(1e-9, True), (1.0, False)])
+def test_a_gradient_that_may_vary_must_still_agree_to_rounding(monkeypatch, size,
+                                                               passes):
+  """A gradient named by ``may_vary`` (atomic adds in no fixed order) may
+  differ between two runs by rounding, not by more: dq drifts between runs by
+  ``size`` times the sum of dO, outputs stay bit-identical."""
+  from jax.experimental import io_callback
+  runs = []
+
+  def tick():
+    runs.append(None)
+    return np.float32(len(runs) - 1)
+
+  def drifting_dq(q, k, v, **kwargs):
+    res = dense_attention(q, k, v, **kwargs)
+    drift = io_callback(tick, jax.ShapeDtypeStruct((), jnp.float32))
+    term = drift * size * jnp.sum(q.astype(jnp.float32))
+    zero = term - jax.lax.stop_gradient(term)  # 0 in value, drift in dq
+    out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+    out = (out.astype(jnp.float32) + zero).astype(out.dtype)
+    return (out, *rest) if rest else out
+
+  class Varying(_Broken):
+    def may_vary(self, case):
+      return frozenset({"q"})
+
+  for cls, ok in ((Varying, passes), (_Broken, False)):
+    suite = cls(drifting_dq)
+    object.__setattr__(suite, "CAPS", conformance.Capabilities(
+        name="drifting-dq", features=frozenset(conformance.FEATURES) - {"sinks"}))
+    monkeypatch.setattr(conformance.jax, "default_backend", lambda: "gpu")
+    if ok:
+      suite.check(conformance.Case())
+    else:
+      with pytest.raises(AssertionError, match="dq differs between two runs"):
+        suite.check(conformance.Case())
+
+
 class _Item:
   def __init__(self, cls, name):
     self.cls, self.originalname = cls, name

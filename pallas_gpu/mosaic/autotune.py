@@ -4,7 +4,8 @@ With ``FLASHJAX_AUTOTUNE=1`` (or ``TUNER.tune`` called directly) on a GPU, the f
 call of a shape class times the forward candidates (K/V block and pipeline depth
 for the head dim, crossed with the launch kind and the split tail) on random
 inputs of that shape, then the backward candidates (dQ and dK/dV tiles and
-pipeline depths, one launch or two) with the winning forward, and stores the
+pipeline depths, one launch or two; the single pass or the two kernels where
+the single pass applies) with the winning forward, and stores the
 winner in a JSON cache keyed by device kind and shape class. The default config
 competes in both rounds, so tuning never picks worse than the default as timed.
 Later calls, in this process or another, read the cache. The cache lives in
@@ -23,7 +24,7 @@ import functools
 from ...common import autotune as common
 from ...common import configs
 from .config import (MosaicConfig, fixed_backward_tiles, from_json, padded_head_dim,
-                     to_json, uses_mosaic_backward)
+                     single_pass_applies, to_json, uses_mosaic_backward)
 
 # Forward K/V tiles per padded head dim: what fits beside two 64-row q blocks in
 # shared memory (D = 256 leaves room for 64-key blocks in two stages only).
@@ -62,18 +63,24 @@ def forward_candidates(spec, best: MosaicConfig):
 
 def backward_candidates(spec, best: MosaicConfig):
   """``best`` (the forward winner) with its backward kernels varied; none where
-  the Mosaic backward does not run."""
+  the Mosaic backward does not run. The tiles and the launch vary the two
+  kernels (with the single pass off: it takes the default dK/dV tiles and has
+  no dQ kernel); where the single pass applies, the other of it and the two
+  kernels competes too."""
   if not uses_mosaic_backward(spec, best):
     return []
+  two = dataclasses.replace(best, bwd_single_pass=False)
 
   def vary(kernel, fields):
     if kernel == "launch":
-      return dataclasses.replace(best, bwd_one_launch=not best.bwd_one_launch)
-    return configs.with_part(best, kernel, **fields)
+      return dataclasses.replace(two, bwd_one_launch=not two.bwd_one_launch)
+    return configs.with_part(two, kernel, **fields)
 
   fixed = fixed_backward_tiles(spec) is not None
-  return [vary(kernel, fields)
-          for kernel, fields in (BACKWARD_FIXED if fixed else BACKWARD)]
+  out = [vary(kernel, fields) for kernel, fields in (BACKWARD_FIXED if fixed else BACKWARD)]
+  if single_pass_applies(spec, best) is None:
+    out.append(dataclasses.replace(best, bwd_single_pass=not best.bwd_single_pass))
+  return out
 
 
 TUNER = common.Tuner(CACHE, lambda spec: (

@@ -1,7 +1,8 @@
 """Mosaic-GPU backward kernels for Hopper: dK/dV (key-stationary) and dQ
 (query-stationary), FlashAttention-2's backward split in two so that dQ, dK and
-dV need no atomics and are deterministic (dbias's batch sum, below, is the one
-place with atomic adds).
+dV need no atomics and are deterministic; and the single pass (below), the
+dK/dV kernel with dQ added by atomic reduce-adds. dbias's batch sum (below) is
+the two kernels' one place with atomic adds.
 
 dK/dV kernel.
 

@@ -281,19 +281,19 @@ def single_pass_backward(spec) -> bool:
   """Whether the default backward is the single pass
   (``MosaicConfig.bwd_single_pass``): over the full band at D = 128 with one
   query head per kv head, from ``SINGLE_PASS_MIN_LENGTH`` queries and keys,
-  without segment ids, an additive tile or dropout. On an H200 (2026-11-29,
+  without segment ids, an additive tile, dropout or a soft cap (none of which
+  was timed with it). On an H200 (2026-11-29,
   backward alone, against the default two kernels in one process,
   docs/reports/2026-11-29-h200-single-pass-backward.md) it was 1.05x as fast
   at B8 S2k, 1.09x at B2 S8k and 1.14x at B1 S16k (H16). It was slower with a
   causal band (0.76-0.90x at D = 128), at D = 64 over the full band (0.97x)
   and with grouped heads (GQA 32:8: 0.93x, causal 0.75x), so those keep the
-  two kernels; D = 64 causal was 1.08x but is one shape, and segment ids, a
-  mask and dropout were not timed."""
+  two kernels; D = 64 causal was 1.08x but is one shape."""
   return (padded_head_dim(spec) == 128 and spec.band.is_full
           and spec.heads_q == spec.heads_kv
           and min(spec.seq_q, spec.seq_k) >= SINGLE_PASS_MIN_LENGTH
           and not spec.has_segment_ids and not has_additive_tile(spec)
-          and not spec.dropout_rate)
+          and not spec.dropout_rate and spec.logits_soft_cap is None)
 
 
 def has_additive_tile(spec) -> bool:
@@ -359,15 +359,20 @@ def backward_tiles_error(spec, config: MosaicConfig) -> str | None:
           f"dq={config.dq}, dkv={config.dkv}")
 
 
-def single_pass_applies(spec) -> str | None:
-  """Why ``MosaicConfig.bwd_single_pass`` cannot apply to ``spec``, or None: it
-  needs each compute warpgroup to own its keys (head dims up to
-  ``OWN_BLOCK_BWD_MAX_HEAD_DIM``) and no dS output (no bias; a dense mask
-  alone is fine)."""
+def single_pass_applies(spec, config: MosaicConfig | None = None) -> str | None:
+  """Why ``MosaicConfig.bwd_single_pass`` cannot apply to ``spec`` (with
+  ``config``'s dK/dV tiles), or None: it needs each compute warpgroup to own
+  its keys (head dims up to ``OWN_BLOCK_BWD_MAX_HEAD_DIM``), no dS output (no
+  bias; a dense mask alone is fine) and the default dK/dV tiles. Its dS^T
+  buffers and fp32 dQ staging tiles take 64 KiB of shared memory at D = 128
+  beside the default tiles' 129 KiB; 128-row Q blocks would need 320 KiB in
+  all and a third stage 224, over or at Hopper's 227."""
   if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
     return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
   if spec.bias_shape is not None:
     return "with a bias (dbias takes the dQ kernel's dS)"
+  if config is not None and config.dkv != MosaicDkv():
+    return f"with dK/dV tiles other than {MosaicDkv()}, got {config.dkv}"
   return None
 
 

@@ -273,7 +273,7 @@ def backward(ops, spec, static: platform.Static, out, lse, do, dlse):
     g_dq = dataclasses.replace(g_dq, ds_reached_only=_ds_reached_only(spec, g_dq))
     g_dkv = dataclasses.replace(g_dkv, bias_dtype=g_dq.bias_dtype,
                                 bias_batch=g_dq.bias_batch, bias_heads=g_dq.bias_heads)
-  if static.config.bwd_single_pass and single_pass_applies(spec) is None:
+  if static.config.bwd_single_pass and single_pass_applies(spec, static.config) is None:
     dq, dk, dv, ds = bwd.single_pass(q, k, v, do, stats, g_dq, g_dkv, seg_dq, seg_dkv,
                                      seed, tile)
   elif static.config.bwd_one_launch:

@@ -100,8 +100,9 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
 
   def test_default_backward_is_the_single_pass_over_long_full_bands(self):
     """From 2048 queries and keys over the full band at D = 128 the default
-    config's backward is the single pass (config.single_pass_backward), with
-    its dq allowed to vary between runs (may_vary)."""
+    config's backward is the single pass (config.single_pass_backward; the
+    lowering test of the same name checks the kernel it takes), with its dq
+    allowed to vary between runs within rounding (may_vary)."""
     case = conformance.Case(batch=1, seq_q=2048, seq_k=2048, heads_q=2, heads_kv=2,
                             head_dim=128, seed=31)
     diff, const, static = conformance.make_inputs(self.resolve(case))
@@ -183,6 +184,55 @@ class TestPallasMosaicGpu(conformance.ConformanceSuite):
     np.testing.assert_array_equal(np.asarray(got["lse"]), np.asarray(want[1]))
 
 
+# Calls the single pass applies to beside its default's (the full band):
+# grouped heads, D = 64 (whole dQ columns per warpgroup), a mask's tile.
+SINGLE_PASS_CASES = [
+    dict(), dict(causal=True, heads_q=4, heads_kv=2), dict(head_dim=64, causal=True),
+    dict(mask_shape=(-1, 1, -1, -1), causal=True)]
+
+
+def _single_pass_case(kw):
+  return conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=448, heads_q=2,
+                                    heads_kv=2, head_dim=128, seed=29,
+                                    dtype="bfloat16"), **kw})
+
+
+def _lowered_backward(case, config_of):
+  """The backward of ``case``'s inputs lowered for CUDA with the config
+  ``config_of(default)``."""
+  diff, const, static = conformance.make_inputs(case)
+  ops, spec = spec_lib.canonicalize(**diff, **const, **static)
+  cfg = config_of(_default_config(ops, spec))
+  static = platform.Static(dataclasses.replace(
+      cfg, backward=pallas_triton.default_config(spec)))
+
+  def bwd():
+    out, lse = mosaic.forward(ops, spec, static)
+    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+  return jax.jit(bwd).trace().lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kw", SINGLE_PASS_CASES, ids=str)
+def test_single_pass_cases_lower_to_the_single_pass(kw):
+  """mosaic.backward sends these calls to the single pass: one backward
+  launch, with dQ's reduce-adds."""
+  text = _lowered_backward(_single_pass_case(kw), lambda cfg: dataclasses.replace(
+      cfg, bwd_single_pass=True))
+  assert text.count("custom_call @mosaic_gpu") == 2
+  assert "cp.reduce.async.bulk" in text
+
+
+def test_default_backward_lowers_to_the_single_pass_over_long_full_bands():
+  """The default config at S2k, full band, D = 128: the single pass; causal:
+  the two kernels."""
+  case = lambda **kw: conformance.Case(batch=1, seq_q=2048, seq_k=2048, heads_q=2,
+                                       heads_kv=2, head_dim=128, seed=31,
+                                       dtype="bfloat16", **kw)
+  assert "cp.reduce.async.bulk" in _lowered_backward(case(), lambda cfg: cfg)
+  assert "cp.reduce.async.bulk" not in _lowered_backward(case(causal=True),
+                                                          lambda cfg: cfg)
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU; "
                     "Mosaic-GPU has no interpret mode for wgmma/TMA/barriers")
 class TestPallasMosaicGpuSinglePass(TestPallasMosaicGpu):
@@ -206,22 +256,17 @@ class TestPallasMosaicGpuSinglePass(TestPallasMosaicGpu):
   def may_vary(self, case):
     return super().may_vary(case) | {"q"}
 
-  @pytest.mark.parametrize("kw", [
-      dict(), dict(causal=True, heads_q=4, heads_kv=2), dict(head_dim=64, causal=True),
-      dict(mask_shape=(-1, 1, -1, -1), causal=True)], ids=str)
+  @pytest.mark.parametrize("kw", SINGLE_PASS_CASES, ids=str)
   def test_single_pass_runs_where_it_applies(self, kw):
-    """The calls the single pass applies to (config.single_pass_applies), one
-    backward launch, against the reference."""
-    case = conformance.Case(**{**dict(batch=2, seq_q=384, seq_k=448, heads_q=2,
-                                      heads_kv=2, head_dim=128, seed=29), **kw})
-    diff, const, static = conformance.make_inputs(self.resolve(case))
-    spec = spec_lib.canonicalize(**diff, **const, **static)[1]
-    assert mosaic.single_pass_applies(spec) is None
-    self.check(case)
+    """Grouped heads, D = 64, a causal band and a mask's tile through the
+    single pass (test_single_pass_cases_lower_to_the_single_pass checks that
+    they take it), against the reference."""
+    self.check(_single_pass_case(kw))
 
   def test_single_pass_under_vmap(self):
-    """Under vmap the two kernels run instead (the dQ accumulator is a ref):
-    the same gradients as a loop over the mapped axis."""
+    """Under vmap the two kernels run instead (the dQ accumulator is a ref;
+    test_single_pass_lowers_under_shard_map_and_falls_back_under_vmap checks
+    which kernels): the same gradients as a loop over the mapped axis."""
     keys = jax.random.split(jax.random.PRNGKey(7), 3)
     q, k, v = (jax.random.normal(key, (2, 2, 256, 2, 128), jnp.bfloat16) for key in keys)
     loss = lambda q, k, v: (self.attention(q, k, v, causal=True).astype(
@@ -1205,7 +1250,8 @@ def test_backward_kernel_choice():
 def test_single_pass_default_where_it_was_measured_to_pay():
   """The default config's backward is the single pass over the full band at
   D = 128, one query head per kv head, from 2048 queries and keys, with no
-  segment ids, additive tile or dropout (config.single_pass_backward)."""
+  segment ids, additive tile, dropout or soft cap
+  (config.single_pass_backward)."""
   sd = jax.ShapeDtypeStruct
   def on(seq=2048, d=128, heads=(16, 16), **kw):
     spec = spec_lib.abstract_spec(batch=2, seq_q=seq, seq_k=seq, heads_q=heads[0],
@@ -1224,6 +1270,7 @@ def test_single_pass_default_where_it_was_measured_to_pay():
   assert not on(dropout_rate=0.1)
   assert not on(mask=sd((2, 1, 2048, 2048), jnp.bool_))
   assert not on(segment_ids=(sd((2, 2048), jnp.int32),) * 2)
+  assert not on(logits_soft_cap=20.0)
 
 
 @pytest.mark.parametrize("how", ["plain", "sharded", "mapped"])
@@ -1283,6 +1330,11 @@ def test_single_pass_applies_up_to_d128_without_a_bias():
   assert "head dim 128" in mosaic.single_pass_applies(s(192))
   assert "bias" in mosaic.single_pass_applies(
       s(128, bias=sd((1, 2, 256, 256), jnp.bfloat16)))
+  # Its buffers fit shared memory beside the default dK/dV tiles only.
+  assert mosaic.single_pass_applies(s(128), mosaic.MosaicConfig()) is None
+  for dkv in (mosaic.MosaicDkv(block_q=128), mosaic.MosaicDkv(num_stages=3)):
+    assert "dK/dV tiles" in mosaic.single_pass_applies(
+        s(128), mosaic.MosaicConfig(dkv=dkv))
   assert not mosaic.MosaicConfig().bwd_single_pass  # the default_config decides
 
 
@@ -1410,9 +1462,12 @@ def test_autotune_candidates_are_valid_per_head_dim():
     fwd = mosaic_autotune.forward_candidates(s, base)
     assert base in fwd  # the default is among them (the driver drops repeats)
     assert all(isinstance(c, mosaic.MosaicConfig) for c in fwd)
-    # Above D = 128 only the launch varies: larger tiles do not fit.
+    # Above D = 128 only the launch varies: larger tiles do not fit. Up to
+    # D = 128 the single pass competes too (one candidate).
     bwd = mosaic_autotune.backward_candidates(s, base)
-    assert len(bwd) == (5 if d <= 128 else 1)
+    assert len(bwd) == (6 if d <= 128 else 1)
+    assert sum(c.bwd_single_pass for c in bwd) == (d <= 128)
+    assert all(c.dkv == mosaic.MosaicDkv() for c in bwd if c.bwd_single_pass)
     # The launch candidate is the other of one launch and two.
     assert [c.bwd_one_launch for c in bwd].count(not base.bwd_one_launch) == 1
     two = dataclasses.replace(base, bwd_one_launch=False)
@@ -1422,8 +1477,18 @@ def test_autotune_candidates_are_valid_per_head_dim():
                                  head_dim=d, dtype="bfloat16",
                                  mask=jax.ShapeDtypeStruct((1, 1, 1024, 1024), jnp.bool_))
       bwd = mosaic_autotune.backward_candidates(s, mosaic.default_config(s))
-      assert len(bwd) == 1
-      assert (bwd[0].dq, bwd[0].dkv) == (mosaic.MosaicDq(), mosaic.MosaicDkv())
+      assert len(bwd) == (1 if d > 128 else 2)
+      assert all((c.dq, c.dkv) == (mosaic.MosaicDq(), mosaic.MosaicDkv()) for c in bwd)
+  # Where the default is the single pass, the tile and launch candidates are
+  # the two kernels' (else they would change nothing), and one is the two
+  # kernels with the default tiles.
+  s = spec_lib.abstract_spec(batch=1, seq_q=2048, seq_k=2048, heads_q=4, head_dim=128,
+                             dtype="bfloat16")
+  base = mosaic.default_config(s)
+  assert base.bwd_single_pass
+  bwd = mosaic_autotune.backward_candidates(s, base)
+  assert [c.bwd_single_pass for c in bwd] == [False] * 5 + [False]
+  assert bwd[-1] == dataclasses.replace(base, bwd_single_pass=False)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU")
