@@ -365,8 +365,9 @@ def single_pass_applies(spec, config: MosaicConfig | None = None) -> str | None:
   its keys (head dims up to ``OWN_BLOCK_BWD_MAX_HEAD_DIM``), no dS output (no
   bias; a dense mask alone is fine) and the default dK/dV tiles. Its dS^T
   buffers and fp32 dQ staging tiles take 64 KiB of shared memory at D = 128
-  beside the default tiles' 129 KiB; 128-row Q blocks would need 320 KiB in
-  all and a third stage 224, over or at Hopper's 227."""
+  beside the default tiles' 129 KiB; with 128-row Q blocks they would need
+  320 KiB in all, over Hopper's 227, and with a third stage 224, at its edge
+  (neither compiled)."""
   if padded_head_dim(spec) > OWN_BLOCK_BWD_MAX_HEAD_DIM:
     return f"above head dim {OWN_BLOCK_BWD_MAX_HEAD_DIM}"
   if spec.bias_shape is not None:
