@@ -993,16 +993,14 @@ VARIANTS = [
     dict(segment_ids=True, sliding_window=(64, 64), contiguous_segments=True,
          bwd_one_launch=False),
     dict(head_dim=192, segment_ids=True, contiguous_segments=True),
-    # The single-pass backward (dQ in the dK/dV kernel): dQ's columns split
-    # between the warpgroups at D = 128, whole at D = 64; grouped heads, a
-    # window and soft cap, segment ids, a mask's tile and dropout. With a bias
-    # the two kernels run (dbias takes the dQ kernel's dS).
-    dict(bwd_single_pass=True), dict(head_dim=64, causal=True, bwd_single_pass=True),
+    # The single-pass backward (dQ in the dK/dV kernel) beside what
+    # test_single_pass_cases_lower_to_the_single_pass lowers (the full band,
+    # grouped heads, D = 64, a mask's tile): a window and soft cap, segment ids
+    # with dropout; with a bias the two kernels run (dbias takes the dQ
+    # kernel's dS).
     dict(seq_q=300, seq_k=200, heads_q=4, heads_kv=2, sliding_window=(50, 10),
          logits_soft_cap=20.0, bwd_single_pass=True),
-    dict(segment_ids=True, causal=True, bwd_single_pass=True),
-    dict(mask=True, causal=True, bwd_single_pass=True),
-    dict(dropout=True, heads_q=4, heads_kv=2, bwd_single_pass=True),
+    dict(segment_ids=True, causal=True, dropout=True, bwd_single_pass=True),
     dict(bias=True, causal=True, bwd_single_pass=True),
 ]
 
