@@ -798,6 +798,28 @@ def _ds_type(g: Geometry):
                                ds_dtype(g)),)
 
 
+def _q_type(g: Geometry, dtype):
+  """dQ: ``[B, Sqp, Hq, D]``."""
+  return jax.ShapeDtypeStruct((g.batch, g.seq_q_padded, g.heads_q, g.head_dim), dtype)
+
+
+def _kv_types(g: Geometry, dtype):
+  """dK and dV: ``[B, Skp, Hkv, D]`` each."""
+  shape = (g.batch, g.seq_k_padded, g.heads_kv, g.head_dim)
+  return (jax.ShapeDtypeStruct(shape, dtype),) * 2
+
+
+def _dkv_grid(g: Geometry):
+  """A dK/dV launch's grid and axis names, key tiles last (:func:`_launch`);
+  :func:`_dkv_where` reads a CTA's place in it."""
+  return (g.batch, g.heads_kv, g.num_kv_tiles), ("b", "h", "kt")
+
+
+def _dkv_where():
+  """The running dK/dV CTA's (key tile, kv head, batch) in :func:`_dkv_grid`."""
+  return lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b")
+
+
 def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   """``q, do [B, Sqp, Hq, D]``, ``k, v [B, Skp, Hkv, D]`` (padded, one dtype; or
   larger arrays holding them at ``g.q_at`` (q and dO), ``g.k_at``, ``g.v_at``),
@@ -816,14 +838,11 @@ def dkv(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
   n = len(segments)
 
   def entry(*refs):
-    where = (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b"))
     ins, rest = _inputs(refs, seed, bias, g)
-    _run(kernel, scoped, ins, (*rest[n:], None), where, rest[:n])
+    _run(kernel, scoped, ins, (*rest[n:], None), _dkv_where(), rest[:n])
 
-  shape = (g.batch, g.seq_k_padded, g.heads_kv, g.head_dim)
-  return _launch(entry, (jax.ShapeDtypeStruct(shape, q.dtype),) * 2,
-                 (g.batch, g.heads_kv, g.num_kv_tiles), ("b", "h", "kt"))(
-                     q, k, v, do, stats, *_optional(seed, bias), *segments)
+  return _launch(entry, _kv_types(g, q.dtype), *_dkv_grid(g))(
+      q, k, v, do, stats, *_optional(seed, bias), *segments)
 
 
 def _dq_program(g: Geometry, dtype):
@@ -1135,8 +1154,7 @@ def dq(q, k, v, do, stats, g: Geometry, segments=(), seed=None, bias=None):
       _run(kernel, scoped, ins, (outs[0], outs[1] if g.bias_grad else None),
            _dq_where(g, lax.axis_index("t")), rest[:n])
 
-    q_shape = (g.batch, g.seq_q_padded, g.heads_q, g.head_dim)
-    return (entry, (jax.ShapeDtypeStruct(q_shape, q.dtype),) + _ds_type(g),
+    return (entry, (_q_type(g, q.dtype),) + _ds_type(g),
             g.batch * g.heads_q * g.num_q_tiles)
 
   res = _launch_dq(program, g, (q, k, v, do, stats, *_optional(seed, bias),
@@ -1179,11 +1197,7 @@ def dq_dkv(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
         _run(dq_kernel, dq_scoped, ins, (dq_ref, ds_ref[0] if ds_ref else None),
              _dq_where(g_dq, t - first_dq), dq_seg)
 
-    kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_kv, g_dkv.head_dim)
-    q_shape = (g_dq.batch, g_dq.seq_q_padded, g_dq.heads_q, g_dq.head_dim)
-    out_type = (jax.ShapeDtypeStruct(q_shape, q.dtype),
-                jax.ShapeDtypeStruct(kv_shape, q.dtype),
-                jax.ShapeDtypeStruct(kv_shape, q.dtype)) + _ds_type(g_dq)
+    out_type = (_q_type(g_dq, q.dtype),) + _kv_types(g_dkv, q.dtype) + _ds_type(g_dq)
     return entry, out_type, first_dq + n_q * heads * g_dq.batch
 
   res = _launch_dq(program, g_dq, (q, k, v, do, stats,
@@ -1208,15 +1222,11 @@ def single_pass(q, k, v, do, stats, g_dq: Geometry, g_dkv: Geometry, seg_dq=(),
   def entry(*refs):
     # _launch_accumulating hands the dQ accumulator over last.
     ins, rest = _inputs(refs, seed, bias, g_dkv)
-    _run(kernel, scoped, ins, tuple(rest[n:]),
-         (lax.axis_index("kt"), lax.axis_index("h"), lax.axis_index("b")), rest[:n])
+    _run(kernel, scoped, ins, tuple(rest[n:]), _dkv_where(), rest[:n])
 
-  kv_shape = (g_dkv.batch, g_dkv.seq_k_padded, g_dkv.heads_kv, g_dkv.head_dim)
-  q_shape = (g_dkv.batch, g_dkv.seq_q_padded, g_dkv.heads_q, g_dkv.head_dim)
   call = _launch_accumulating(
-      entry, (jax.ShapeDtypeStruct(kv_shape, dtype),) * 2
-      + (jax.ShapeDtypeStruct(q_shape, jnp.float32),),
-      (g_dkv.batch, g_dkv.heads_kv, g_dkv.num_kv_tiles), ("b", "h", "kt"))
+      entry, _kv_types(g_dkv, dtype) + (_q_type(g_dkv, jnp.float32),),
+      *_dkv_grid(g_dkv))
 
   def split(xs):
     """``(q, k, v, do, stats), seed, bias, seg_dq, seg_dkv`` of ``run``'s operands."""

@@ -29,6 +29,20 @@ def _default_config(ops, spec):
   return mosaic.default_config(spec, mosaic.tile_itemsize(ops, spec))
 
 
+def _static(ops, spec, **fields):
+  """The call's default config with ``fields`` replaced, and the Pallas-Triton
+  backward's default where that one runs."""
+  return platform.Static(dataclasses.replace(
+      _default_config(ops, spec), backward=pallas_triton.default_config(spec),
+      **fields))
+
+
+def _backward_of_forward(ops, spec, static):
+  """The gradients of the forward's output with itself as dO (for lowering)."""
+  out, lse = mosaic.forward(ops, spec, static)
+  return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+
+
 def _attention_with(config_of):
   """``mosaic.flash_attention`` whose config is ``config_of(spec, default)``
   for each call's spec."""
@@ -197,27 +211,21 @@ def _single_pass_case(kw):
                                     dtype="bfloat16"), **kw})
 
 
-def _lowered_backward(case, config_of):
-  """The backward of ``case``'s inputs lowered for CUDA with the config
-  ``config_of(default)``."""
+def _lowered_backward(case, **fields):
+  """The backward of ``case``'s inputs lowered for CUDA with the default config's
+  ``fields`` replaced."""
   diff, const, static = conformance.make_inputs(case)
   ops, spec = spec_lib.canonicalize(**diff, **const, **static)
-  cfg = config_of(_default_config(ops, spec))
-  static = platform.Static(dataclasses.replace(
-      cfg, backward=pallas_triton.default_config(spec)))
-
-  def bwd():
-    out, lse = mosaic.forward(ops, spec, static)
-    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
-  return jax.jit(bwd).trace().lower(lowering_platforms=("cuda",)).as_text()
+  static = _static(ops, spec, **fields)
+  return jax.jit(lambda: _backward_of_forward(ops, spec, static)).trace().lower(
+      lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("kw", SINGLE_PASS_CASES, ids=str)
 def test_single_pass_cases_lower_to_the_single_pass(kw):
   """mosaic.backward sends these calls to the single pass: one backward
   launch, with dQ's reduce-adds."""
-  text = _lowered_backward(_single_pass_case(kw), lambda cfg: dataclasses.replace(
-      cfg, bwd_single_pass=True))
+  text = _lowered_backward(_single_pass_case(kw), bwd_single_pass=True)
   assert text.count("custom_call @mosaic_gpu") == 2
   assert "cp.reduce.async.bulk" in text
 
@@ -228,9 +236,8 @@ def test_default_backward_lowers_to_the_single_pass_over_long_full_bands():
   case = lambda **kw: conformance.Case(batch=1, seq_q=2048, seq_k=2048, heads_q=2,
                                        heads_kv=2, head_dim=128, seed=31,
                                        dtype="bfloat16", **kw)
-  assert "cp.reduce.async.bulk" in _lowered_backward(case(), lambda cfg: cfg)
-  assert "cp.reduce.async.bulk" not in _lowered_backward(case(causal=True),
-                                                          lambda cfg: cfg)
+  assert "cp.reduce.async.bulk" in _lowered_backward(case())
+  assert "cp.reduce.async.bulk" not in _lowered_backward(case(causal=True))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU; "
@@ -590,11 +597,8 @@ def test_dbias_batch_sum_lowers_to_reduce_adds():
 
     def bwd(q, k, v, bias):
       ops, spec = spec_lib.canonicalize(q, k, v, bias=bias, causal=True)
-      config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch)
-      static = platform.Static(dataclasses.replace(
-          config, backward=pallas_triton.default_config(spec)))
-      out, lse = mosaic.forward(ops, spec, static)
-      grads = mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+      grads = _backward_of_forward(ops, spec,
+                                   _static(ops, spec, bwd_one_launch=one_launch))
       assert grads.bias.shape == bias.shape
       return grads
     if mapped:
@@ -1064,12 +1068,8 @@ def test_every_variant_lowers_for_cuda(variant):
 
   def bwd(q, k, v, *values):
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
-    config = dataclasses.replace(_default_config(ops, spec), bwd_one_launch=one_launch,
-                                 bwd_single_pass=single_pass)
-    static = platform.Static(dataclasses.replace(
-        config, backward=pallas_triton.default_config(spec)))
-    out, lse = mosaic.forward(ops, spec, static)
-    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+    return _backward_of_forward(ops, spec, _static(
+        ops, spec, bwd_one_launch=one_launch, bwd_single_pass=single_pass))
 
   text = jax.jit(bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -1282,11 +1282,7 @@ def test_single_pass_lowers_under_shard_map_and_falls_back_under_vmap(how):
 
   def bwd(q, k, v):
     ops, spec = spec_lib.canonicalize(q, k, v)
-    config = dataclasses.replace(_default_config(ops, spec), bwd_single_pass=True)
-    static = platform.Static(dataclasses.replace(
-        config, backward=pallas_triton.default_config(spec)))
-    out, lse = mosaic.forward(ops, spec, static)
-    return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse)).q
+    return _backward_of_forward(ops, spec, _static(ops, spec, bwd_single_pass=True)).q
   if how == "mapped":
     bwd, q = jax.vmap(bwd), sd((3,) + q.shape, q.dtype)
   if how == "sharded":
@@ -1650,9 +1646,7 @@ def _windows(seq_q, causal, head_dim=128, single_pass=False):
   q, do = (rows.Rows(x, 0, 2, 128, seq_q) for x in (q_base, do_base))
   k, v = rows.Rows(kv_base, 0, 2, 256, 256), rows.Rows(kv_base, 2, 2, 256, 256)
   ops, spec = spec_lib.canonicalize(*rows.materialize((q, k, v)), causal=causal)
-  static = platform.Static(dataclasses.replace(
-      mosaic.default_config(spec), backward=pallas_triton.default_config(spec),
-      bwd_single_pass=single_pass))
+  static = _static(ops, spec, bwd_single_pass=single_pass)
   dlse = jax.random.normal(ks[3], (2, 4, seq_q), jnp.float32)
   return ops._replace(q=q, k=k, v=v), spec, static, do, dlse
 
