@@ -281,19 +281,23 @@ def single_pass_backward(spec) -> bool:
   """Whether the default backward is the single pass
   (``MosaicConfig.bwd_single_pass``): over the full band at D = 128 with one
   query head per kv head, from ``SINGLE_PASS_MIN_LENGTH`` queries and keys,
-  without segment ids, an additive tile, dropout or a soft cap (none of which
-  was timed with it). On an H200 (2026-11-29,
-  backward alone, against the default two kernels in one process,
-  docs/reports/2026-11-29-h200-single-pass-backward.md) it was 1.05x as fast
-  at B8 S2k, 1.09x at B2 S8k and 1.14x at B1 S16k (H16). It was slower with a
-  causal band (0.76-0.90x at D = 128), at D = 64 over the full band (0.97x)
-  and with grouped heads (GQA 32:8: 0.93x, causal 0.75x), so those keep the
-  two kernels; D = 64 causal was 1.08x but is one shape."""
+  with or without dropout, and without segment ids, an additive tile or a soft
+  cap. On an H200 (backward alone, against the two kernels in one process):
+  - 2026-11-29 (docs/reports/2026-11-29-h200-single-pass-backward.md): 1.05x
+    as fast at B8 S2k, 1.09x at B2 S8k and 1.14x at B1 S16k (H16); with
+    dropout 0.1 1.10x at B8 S2k and 1.20x at B2 S8k
+    (docs/reports/2026-11-29-h200-single-pass-dropout-mask.csv).
+  - Slower with a causal band (0.76-0.90x at D = 128: ptxas serializes its
+    wgmmas, docs/reports/2026-11-29-h200-causal-single-pass-serialization.md),
+    at D = 64 over the full band (0.97x), with grouped heads (GQA 32:8: 0.93x,
+    causal 0.75x) and with a dense mask (0.97x at B8 S2k, 1.02x at B2 S8k), so
+    those keep the two kernels. D = 64 causal was 1.08x but is one shape.
+  - Segment ids and a soft cap were not timed with it."""
   return (padded_head_dim(spec) == 128 and spec.band.is_full
           and spec.heads_q == spec.heads_kv
           and min(spec.seq_q, spec.seq_k) >= SINGLE_PASS_MIN_LENGTH
           and not spec.has_segment_ids and not has_additive_tile(spec)
-          and not spec.dropout_rate and spec.logits_soft_cap is None)
+          and spec.logits_soft_cap is None)
 
 
 def has_additive_tile(spec) -> bool:

@@ -1247,8 +1247,8 @@ def test_backward_kernel_choice():
 
 def test_single_pass_default_where_it_was_measured_to_pay():
   """The default config's backward is the single pass over the full band at
-  D = 128, one query head per kv head, from 2048 queries and keys, with no
-  segment ids, additive tile, dropout or soft cap
+  D = 128, one query head per kv head, from 2048 queries and keys, with or
+  without dropout, and with no segment ids, additive tile or soft cap
   (config.single_pass_backward)."""
   sd = jax.ShapeDtypeStruct
   def on(seq=2048, d=128, heads=(16, 16), **kw):
@@ -1265,7 +1265,7 @@ def test_single_pass_default_where_it_was_measured_to_pay():
   assert not on(d=64)
   assert not on(d=256)
   assert not on(heads=(32, 8))
-  assert not on(dropout_rate=0.1)
+  assert on(dropout_rate=0.1) and not on(dropout_rate=0.1, causal=True)
   assert not on(mask=sd((2, 1, 2048, 2048), jnp.bool_))
   assert not on(segment_ids=(sd((2, 2048), jnp.int32),) * 2)
   assert not on(logits_soft_cap=20.0)
