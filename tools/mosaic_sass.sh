@@ -12,7 +12,8 @@
 #                     from the pinned CUDA 13.5 pip wheels (a venv under
 #                     ${SASS_VENV:-/tmp/cuda13-tools}), disassembles it to
 #                     NAME_N.sass and prints the ptxas version, then per kernel
-#                     its spills and the spill stores / loads (STL / LDL) in it.
+#                     its spills, whether ptxas serialized its wgmmas (C7512),
+#                     and the spill stores / loads (STL / LDL) in it.
 #                     With REGISTERS=C/M it compiles copies (regsC-M_NAME_N.*)
 #                     whose setmaxnreg values are C for the compute warpgroups
 #                     (.inc) and M for the memory warpgroup (.dec), to see the
@@ -44,7 +45,7 @@ case "$stage" in
       echo "the command compiled no Mosaic kernel: no NAME_N.ptx in $dir" >&2
       exit $(( rc ? rc : 1 ))
     fi
-    grep -H "spill" "$dir"/*.ptxas
+    grep -H "spill\|C7512" "$dir"/*.ptxas
     (cd "$dir" && tar cJf ptx.tar.xz *_[0-9]*.ptx *_[0-9]*.ptxas) ||
       { echo "could not pack the dumps in $dir" >&2; exit 1; }
     exit $rc ;;
@@ -97,7 +98,12 @@ case "$stage" in
       fi
       spill=$(grep -o "[0-9]* bytes spill stores, [0-9]* bytes spill loads" "$base.ptxas-local")
       "$bin/nvdisasm" -c "$base.cubin" > "$base.sass" || exit 1
-      echo "$(basename "$base"): $spill; STL $(grep -c STL "$base.sass")," \
+      # C7512: ptxas waits for every wgmma right after issuing it when it runs
+      # short of registers, so no product overlaps the softmax (the causal
+      # single-pass backward, 2026-11-29: 25-45% slower than two kernels).
+      serial=""
+      grep -q "C7512" "$base.ptxas-local" && serial=" WGMMA SERIALIZED (ptxas C7512);"
+      echo "$(basename "$base"): $spill;$serial STL $(grep -c STL "$base.sass")," \
            "LDL $(grep -c LDL "$base.sass") in $(basename "$base").sass"
     done ;;
   *) usage ;;

@@ -399,6 +399,42 @@ def test_mosaic_sass_compiles_another_register_split(tmp_path):
     assert refused.returncode == 2 and "REGISTERS must be C/M" in refused.stderr
 
 
+def test_mosaic_sass_flags_serialized_wgmmas(tmp_path):
+  """tools/mosaic_sass.sh sass names the kernels whose wgmmas ptxas serialized
+  (its C7512 report: no product overlaps anything, whatever the spills), and
+  only those. The fake ptxas reports C7512 for a PTX that asks for it."""
+  import os
+  import pathlib
+  import subprocess
+  script = pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
+  bin_dir = tmp_path / "venv/lib/python3.11/site-packages/nvidia/cu13/bin"
+  bin_dir.mkdir(parents=True)
+  (bin_dir / "ptxas").write_text(
+      '#!/usr/bin/env bash\n'
+      '[ "$1" = --version ] && { echo "Build fake"; exit 0; }\n'
+      'for a in "$@"; do case "$a" in *.ptx) src="$a";; esac; done\n'
+      'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+      'cp "$src" "$out"\n'
+      'grep -q serial "$src" && echo "ptxas info    : (C7512) Potential Performance'
+      ' Loss: wgmma.mma_async instructions are serialized"\n'
+      'echo "    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads"\n')
+  (bin_dir / "nvdisasm").write_text('#!/usr/bin/env bash\ncat "$2"\n')
+  for tool in ("ptxas", "nvdisasm"):
+    (bin_dir / tool).chmod(0o755)
+  dump = tmp_path / "dump"
+  dump.mkdir()
+  (dump / "entry_0.ptx").write_text("// plain\n")
+  (dump / "body_1.ptx").write_text("// serial\n")
+  done = subprocess.run(["bash", str(script), "sass", str(dump)],
+                        env=dict(os.environ, SASS_VENV=str(tmp_path / "venv")),
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr
+  lines = {line.split(":")[0]: line for line in done.stdout.splitlines()}
+  assert "WGMMA SERIALIZED (ptxas C7512)" in lines["body_1"]
+  assert "SERIALIZED" not in lines["entry_0"]
+  assert "8 bytes spill stores" in lines["entry_0"]
+
+
 def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
     tmp_path, capsys, monkeypatch):
   # A throwaway suite of five cases, one failing: dealt over two "GPUs" (on
