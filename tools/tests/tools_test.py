@@ -344,6 +344,26 @@ def test_mosaic_sass_dump_packs_the_kernels_dumps(tmp_path):
     assert bad.returncode == 2, (args, bad.stderr)
 
 
+def _fake_cuda_tools(tmp_path, report):
+  """tools/mosaic_sass.sh's path, with stand-ins for ptxas and nvdisasm in a
+  venv under ``tmp_path`` (pass it as SASS_VENV): the fake ptxas copies the PTX
+  (``$src``) to the cubin and prints what the shell lines ``report`` print; the
+  fake nvdisasm prints the cubin."""
+  import pathlib
+  bin_dir = tmp_path / "venv/lib/python3.11/site-packages/nvidia/cu13/bin"
+  bin_dir.mkdir(parents=True)
+  (bin_dir / "ptxas").write_text(
+      '#!/usr/bin/env bash\n'
+      '[ "$1" = --version ] && { echo "Build fake"; exit 0; }\n'
+      'for a in "$@"; do case "$a" in *.ptx) src="$a";; esac; done\n'
+      'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+      'cp "$src" "$out"\n' + report)
+  (bin_dir / "nvdisasm").write_text('#!/usr/bin/env bash\ncat "$2"\n')
+  for tool in ("ptxas", "nvdisasm"):
+    (bin_dir / tool).chmod(0o755)
+  return pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
+
+
 def test_mosaic_sass_compiles_another_register_split(tmp_path):
   """tools/mosaic_sass.sh sass with REGISTERS=C/M: each kernel's setmaxnreg
   values are rewritten in a copy that ptxas compiles, a kernel without them is
@@ -352,22 +372,11 @@ def test_mosaic_sass_compiles_another_register_split(tmp_path):
   are stand-ins here: the fake ptxas reports the .inc value it was given as
   its spill bytes."""
   import os
-  import pathlib
   import subprocess
-  script = pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
-  bin_dir = tmp_path / "venv/lib/python3.11/site-packages/nvidia/cu13/bin"
-  bin_dir.mkdir(parents=True)
-  (bin_dir / "ptxas").write_text(
-      '#!/usr/bin/env bash\n'
-      '[ "$1" = --version ] && { echo "Build fake"; exit 0; }\n'
-      'for a in "$@"; do case "$a" in *.ptx) src="$a";; esac; done\n'
-      'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
-      'cp "$src" "$out"\n'
+  script = _fake_cuda_tools(
+      tmp_path,
       'n=$(grep -o "inc.sync.aligned.u32 [0-9]*" "$src" | grep -o "[0-9]*$" | head -1)\n'
       'echo "    0 bytes stack frame, ${n:-0} bytes spill stores, 0 bytes spill loads"\n')
-  (bin_dir / "nvdisasm").write_text('#!/usr/bin/env bash\ncat "$2"\n')
-  for tool in ("ptxas", "nvdisasm"):
-    (bin_dir / tool).chmod(0o755)
   dump = tmp_path / "dump"
   dump.mkdir()
   (dump / "entry_0.ptx").write_text(
@@ -404,23 +413,12 @@ def test_mosaic_sass_flags_serialized_wgmmas(tmp_path):
   (its C7512 report: no product overlaps anything, whatever the spills), and
   only those. The fake ptxas reports C7512 for a PTX that asks for it."""
   import os
-  import pathlib
   import subprocess
-  script = pathlib.Path(__file__).resolve().parents[1] / "mosaic_sass.sh"
-  bin_dir = tmp_path / "venv/lib/python3.11/site-packages/nvidia/cu13/bin"
-  bin_dir.mkdir(parents=True)
-  (bin_dir / "ptxas").write_text(
-      '#!/usr/bin/env bash\n'
-      '[ "$1" = --version ] && { echo "Build fake"; exit 0; }\n'
-      'for a in "$@"; do case "$a" in *.ptx) src="$a";; esac; done\n'
-      'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
-      'cp "$src" "$out"\n'
+  script = _fake_cuda_tools(
+      tmp_path,
       'grep -q serial "$src" && echo "ptxas info    : (C7512) Potential Performance'
       ' Loss: wgmma.mma_async instructions are serialized"\n'
       'echo "    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads"\n')
-  (bin_dir / "nvdisasm").write_text('#!/usr/bin/env bash\ncat "$2"\n')
-  for tool in ("ptxas", "nvdisasm"):
-    (bin_dir / tool).chmod(0o755)
   dump = tmp_path / "dump"
   dump.mkdir()
   (dump / "entry_0.ptx").write_text("// plain\n")
