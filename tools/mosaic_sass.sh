@@ -100,7 +100,8 @@ case "$stage" in
       "$bin/nvdisasm" -c "$base.cubin" > "$base.sass" || exit 1
       # C7512: ptxas waits for every wgmma right after issuing it when it runs
       # short of registers, so no product overlaps the softmax (the causal
-      # single-pass backward, 2026-11-29: 25-45% slower than two kernels).
+      # single-pass backward on an H200, 2026-11-29: 1.26-1.54x the time of
+      # the two kernels).
       serial=""
       grep -q "C7512" "$base.ptxas-local" && serial=" WGMMA SERIALIZED (ptxas C7512);"
       echo "$(basename "$base"): $spill;$serial STL $(grep -c STL "$base.sass")," \
