@@ -292,7 +292,10 @@ def single_pass_backward(spec) -> bool:
     at D = 64 over the full band (0.97x), with grouped heads (GQA 32:8: 0.93x,
     causal 0.75x) and with a dense mask (0.97x at B8 S2k, 1.02x at B2 S8k), so
     those keep the two kernels. D = 64 causal was 1.08x but is one shape.
-  - Segment ids and a soft cap were not timed with it."""
+  - Slower with segment ids: one packed row of 16k tokens, full band, 0.77x
+    at 8 documents of 2048 and 0.85x at mixed lengths (2026-11-29,
+    docs/reports/2026-11-29-h200-single-pass-segment-ids.csv). A soft cap was
+    not timed with it."""
   return (padded_head_dim(spec) == 128 and spec.band.is_full
           and spec.heads_q == spec.heads_kv
           and min(spec.seq_q, spec.seq_k) >= SINGLE_PASS_MIN_LENGTH
