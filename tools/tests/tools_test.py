@@ -446,13 +446,16 @@ def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
   suite.write_text("import pytest\n\n"
                    "@pytest.mark.parametrize('i', range(5))\n"
                    "def test_case(i):\n"
-                   "  open(f'{__file__}.{i}', 'a').write('x')\n"
+                   "  import os\n"
+                   "  open(f'{__file__}.{i}', 'a').write(\n"
+                   "      os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE', '-'))\n"
                    "  assert i != 3\n")
   ids = spread_tests.collect([str(suite), "-v"], timeout=60)
   assert len(ids) == 5
   dealt = spread_tests.deal(ids, 2)
   assert [len(c) for c in dealt] == [3, 2] and sorted(sum(dealt, [])) == sorted(ids)
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
   assert spread_tests.main(["--gpus", "2", "--dry-run", str(suite), "-q", "--tb=line"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == 2 and lines[1].startswith("CUDA_VISIBLE_DEVICES=1 ")
@@ -474,7 +477,8 @@ def test_spread_tests_deals_every_case_once_and_reports_each_gpu(
   assert "FAILED" in printed and "test_case[3]" in printed
   assert sorted(p.name for p in out.iterdir()) == ["test-gpu0.log", "test-gpu1.log"]
   for i in range(5):
-    assert (tmp_path / f"suite_test.py.{i}").read_text() == "x"
+    # Each run allocates GPU memory as it goes, so its workers share the GPU.
+    assert (tmp_path / f"suite_test.py.{i}").read_text() == "false"
   with pytest.raises(SystemExit):
     spread_tests.main(["--workers", "-1", str(suite)])
   # A run past the limit is stopped, and counts as a failure.
