@@ -12,9 +12,9 @@ implements ``kvcache`` (the platform's ``flash_mha_with_kvcache``)::
 Every case draws random inputs, fills the cache slots a row does not hold with NaN
 (no platform may read them), runs the platform under ``jit`` with the lengths,
 page table and indices traced, and checks the output and lse against
-``reference.attention_with_kvcache``, the updated caches bit for bit, and that a
-second run is bit-identical. A case the platform does not declare must raise
-``NotImplementedError``.
+``reference.attention_with_kvcache``, the updated caches bit for bit, and off the
+CPU that a second run is bit-identical. A case the platform does not declare must
+raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def make_kv_inputs(case: KvCase):
 
 
 def _reference(arrays, static):
+  """``reference.attention_with_kvcache``'s out, lse and updated caches."""
   a = dict(arrays)
   q, kc, vc = a.pop("q"), a.pop("k_cache"), a.pop("v_cache")
   k, v = a.pop("k", None), a.pop("v", None)
@@ -159,6 +160,10 @@ class KvCacheSuite:
 
   def kvcache(self, *args, **kwargs):
     raise NotImplementedError("the platform's test must implement kvcache()")
+
+  @pytest.fixture(autouse=True)
+  def _share_reference_results(self, tmp_path_factory):
+    conformance.share_reference_results(tmp_path_factory)
 
   def kv_expected_error(self, case: KvCase) -> str | None:
     caps = self.KV_CAPS
@@ -182,13 +187,21 @@ class KvCacheSuite:
         jax.block_until_ready(self.run_kv(arrays, static)[1])
       return None
     fn, got = self.run_kv(arrays, static)
-    again = fn(arrays)
-    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, again):
-      # fp32 holds bf16/fp16 exactly; numpy matches NaN with NaN in its own dtypes
-      np.testing.assert_array_equal(np.asarray(x, np.float32),
-                                    np.asarray(y, np.float32),
-                                    err_msg=f"{name} differs between two runs")
-    ref = _reference(arrays, static)
+    if jax.default_backend() != "cpu":
+      # As in the main suite: on the CPU every platform runs serially (XLA, or a
+      # kernel interpreted), so a second run could not differ.
+      again = fn(arrays)
+      for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, again):
+        # fp32 holds bf16/fp16 exactly; numpy matches NaN with NaN in its own dtypes
+        np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                      np.asarray(y, np.float32),
+                                      err_msg=f"{name} differs between two runs")
+    # Every instance checks the same cases: their reference results are kept,
+    # in fp32 (which holds bf16/fp16 exactly; the comparisons are in fp32).
+    kept = conformance.kept_reference(("kvcache", case), lambda: {
+        n: np.asarray(x).astype(np.float32) for n, x in zip(
+            ("out", "lse", "k_cache", "v_cache"), _reference(arrays, static))})
+    ref = tuple(kept[n] for n in ("out", "lse", "k_cache", "v_cache"))
     name = self.KV_CAPS.name
     tol = tolerances.forward(case.dtype)
     out, lse, k_cache, v_cache = got

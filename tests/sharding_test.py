@@ -25,49 +25,55 @@ SCRIPT = textwrap.dedent("""
 
     assert len(jax.devices()) == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    spec, platform, expect_gather = {spec!r}, {platform!r}, {expect_gather!r}
     r = np.random.default_rng(1)
     # A bias shared by the batch and per-head sinks: their cotangents are sums
     # over batch shards.
     bias = jnp.asarray(r.normal(size=(1, 8, 64, 64)), jnp.float32)
     sinks = jnp.asarray(r.normal(size=(8, 1)), jnp.float32)
     seg = jnp.asarray(np.sort(r.integers(0, 3, size=(4, 64)), axis=1), jnp.int32)
-    kw = {kwargs}
-    diff = {{n: kw.pop(n) for n in ("bias", "sinks") if n in kw}}
-    extra = dict(platform=platform, interpret=True) if platform != "xla" else dict(
-        platform="xla")
     ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (4, 64, 8, 32))
-    k = jax.random.normal(ks[1], (4, 64, 4, 32))
-    v = jax.random.normal(ks[2], (4, 64, 4, 32))
-    do = jax.random.normal(ks[3], (4, 64, 8, 32))
-    sh = NamedSharding(mesh, P(*spec))
-    q, k, v, do = (jax.device_put(x, sh) for x in (q, k, v, do))
+    inputs = [jax.random.normal(ks[0], (4, 64, 8, 32)),
+              jax.random.normal(ks[1], (4, 64, 4, 32)),
+              jax.random.normal(ks[2], (4, 64, 4, 32)),
+              jax.random.normal(ks[3], (4, 64, 8, 32))]
 
-    def loss(q, k, v, do, diff):
-        out = flashjax.flash_attention(q, k, v, **kw, **diff, **extra)
-        return jnp.sum(out * do)
+    def check(platform, spec, kw, expect_gather=False):
+        label = (platform, spec, kw)
+        kw = dict(kw)
+        diff = {{n: kw.pop(n) for n in ("bias", "sinks") if n in kw}}
+        extra = dict(platform=platform, interpret=True) if platform != "xla" else dict(
+            platform="xla")
+        sh = NamedSharding(mesh, P(*spec))
+        q, k, v, do = (jax.device_put(x, sh) for x in inputs)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
-    hlo = step.lower(q, k, v, do, diff).compile().as_text()
-    found = [op for op in ("all-gather", "all-to-all", "collective-permute")
-             if op in hlo]
-    if expect_gather:
-        assert found, "control: sequence sharding must gather"
-    elif found:
-        print("FOUND", found); sys.exit(3)
-    val, grads = step(q, k, v, do, diff)
-    host = lambda x: np.asarray(jax.device_get(x))
-    if not expect_gather:
-        for g in grads[:3]:
-            assert g.sharding.is_equivalent_to(sh, 4), (g.sharding, sh)
-    rq, rk, rv, rdo = map(host, (q, k, v, do))
-    rval, rgrads = jax.jit(jax.value_and_grad(
-        lambda q, k, v, diff: jnp.sum(reference.attention(q, k, v, **kw, **diff) * rdo),
-        argnums=(0, 1, 2, 3)))(rq, rk, rv, diff)
-    np.testing.assert_allclose(host(val), rval, rtol=1e-4)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
-        np.testing.assert_allclose(host(g), r, rtol=2e-4, atol=2e-4)
+        def loss(q, k, v, do, diff):
+            out = flashjax.flash_attention(q, k, v, **kw, **diff, **extra)
+            return jnp.sum(out * do)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
+        hlo = step.lower(q, k, v, do, diff).compile().as_text()
+        found = [op for op in ("all-gather", "all-to-all", "collective-permute")
+                 if op in hlo]
+        if expect_gather:
+            assert found, ("control: sequence sharding must gather", label)
+        else:
+            assert not found, ("FOUND", found, label)
+        val, grads = step(q, k, v, do, diff)
+        host = lambda x: np.asarray(jax.device_get(x))
+        if not expect_gather:
+            for g in grads[:3]:
+                assert g.sharding.is_equivalent_to(sh, 4), (g.sharding, sh, label)
+        rq, rk, rv, rdo = map(host, (q, k, v, do))
+        rval, rgrads = jax.jit(jax.value_and_grad(
+            lambda q, k, v, diff: jnp.sum(reference.attention(q, k, v, **kw, **diff) * rdo),
+            argnums=(0, 1, 2, 3)))(rq, rk, rv, diff)
+        np.testing.assert_allclose(host(val), rval, rtol=1e-4, err_msg=str(label))
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads)):
+            np.testing.assert_allclose(host(g), r, rtol=2e-4, atol=2e-4,
+                                       err_msg=str(label))
+        print("ok", label, flush=True)
+
+    {calls}
     print("OK")
 """)
 
@@ -91,27 +97,23 @@ CASES = [
 ]
 
 
-def _run(platform, spec, kwargs, expect_gather=False):
-  env = cpu_devices_env(4)
-  script = SCRIPT.format(spec=spec, platform=platform, kwargs=kwargs,
-                         expect_gather=expect_gather)
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       env=env, timeout=900)
-  assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
-
-
-@pytest.mark.parametrize("platform,spec,kwargs", CASES)
-def test_sharded_inputs_run_per_shard(platform, spec, kwargs):
-  _run(platform, spec, kwargs)
-
-
 @pytest.mark.parametrize("platform", ["xla", "pallas-triton"])
-def test_sequence_sharding_moves_data_and_is_exact(platform):
-  # Attention needs whole rows: a sequence-sharded input moves K/V between devices
-  # (the ring, whose collective-permutes ring_test.py checks), so the check above
-  # is a real check; the result stays exact.
-  _run(platform, ("data", "model", None, None), "dict(causal=True)",
-       expect_gather=True)
+def test_sharded_inputs_run_per_shard(platform):
+  """The platform's CASES in one process (the device count must be set before
+  JAX starts; one process per case paid JAX's start and warm-up each time).
+  Then a control: attention needs whole rows, so a sequence-sharded input moves
+  K/V between devices (the ring, whose collective-permutes ring_test.py
+  checks) and the check for moved data is a real check; the result stays
+  exact."""
+  calls = [f"check({p!r}, {spec!r}, {kwargs})" for p, spec, kwargs in CASES
+           if p == platform]
+  calls.append(f"check({platform!r}, ('data', 'model', None, None), "
+               "dict(causal=True), expect_gather=True)")
+  script = SCRIPT.format(calls="\n".join(calls))
+  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=cpu_devices_env(4), timeout=900)
+  assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
+      res.stdout + res.stderr[-3000:])
 
 
 VMAP_SCRIPT = textwrap.dedent("""

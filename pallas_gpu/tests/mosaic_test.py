@@ -543,10 +543,12 @@ def test_device_order_covers_every_tile_once_and_balances(lengths, causal, conti
   assert g.balanced and g.segments and g.segment_spans == contiguous
   ops = spec_lib.Operands(q=None, k=None, v=None, q_segment_ids=jnp.asarray(ids),
                           kv_segment_ids=jnp.asarray(ids))
-  visible = jax.jit(lambda ops: mosaic.segment_operands(ops, g)[2])(ops)
-  steps = np.asarray(jax.jit(lambda v: mosaic_blocks.tile_steps(g, v))(visible))
-  table = np.asarray(jax.jit(lambda v: mosaic_blocks.balanced_order(g, v))(visible))
-  vis = np.asarray(visible)
+
+  def order(ops):  # one program: the visible blocks, each tile's steps, the table
+    visible = mosaic.segment_operands(ops, g)[2]
+    return (visible, mosaic_blocks.tile_steps(g, visible),
+            mosaic_blocks.balanced_order(g, visible))
+  vis, steps, table = (np.asarray(x) for x in jax.jit(order)(ops))
   for t in rng.choice(g.num_tiles, 20, replace=False):  # the kernel's own walk
     b, _, tile = (int(x) for x in mosaic_blocks.tile_coords(g, int(t)))
     narrow = lambda i, b=b: tuple(int(vis[b, j, i]) for j in range(4))
@@ -1011,6 +1013,9 @@ VARIANTS = [
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_every_variant_lowers_for_cuda(variant):
+  """The variant's forward, with its launch kind, and the backward of its
+  output lowered for CUDA as one program: the kernels each variant takes, and
+  no transposed copy of an additive tile."""
   kw = dict(variant)
   shape = dict(batch=1, seq_q=kw.pop("seq_q", 256), seq_k=kw.pop("seq_k", 256),
                heads_q=kw.pop("heads_q", 2), heads_kv=kw.pop("heads_kv", 2),
@@ -1047,32 +1052,24 @@ def test_every_variant_lowers_for_cuda(variant):
       f["segment_ids"] = (f.pop("q_ids"), f.pop("kv_ids"))
     return f
 
-  def fwd(q, k, v, *values):
+  def fwd_bwd(q, k, v, *values):
+    # One program holds the forward (with the variant's launch) and the
+    # backward of its output: each kernel is traced and lowered once.
     ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
     assert mosaic.supported(spec) is None
-    config = _default_config(ops, spec)
-    config = configs.with_part(config, "fwd", persistent=persistent,
+    static = _static(ops, spec, bwd_one_launch=one_launch, bwd_single_pass=single_pass)
+    config = configs.with_part(static.config, "fwd", persistent=persistent,
                                split_tail=split_tail, balanced=balanced)
     if balanced is not None:
       assert mosaic.geometry(spec, config).balanced == balanced
     assert (mosaic_blocks.tail_plan(mosaic.geometry(spec, config)) is not None) == (
         split_tail)
-    static = platform.Static(config)
-    return mosaic.forward(ops, spec, static)
+    return _backward_of_forward(ops, spec, platform.Static(config))
 
-  text = jax.jit(fwd).trace(q, k, k, *extra).lower(
+  text = jax.jit(fwd_bwd).trace(q, k, k, *extra).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
   # The split tail's parts are merged by tail_merge's (Pallas-Triton) kernel.
   assert ("flashjax_pallas_triton_fwd_tail" in text) == split_tail
-
-  def bwd(q, k, v, *values):
-    ops, spec = spec_lib.canonicalize(q, k, v, **features(values), **kw)
-    return _backward_of_forward(ops, spec, _static(
-        ops, spec, bwd_one_launch=one_launch, bwd_single_pass=single_pass))
-
-  text = jax.jit(bwd).trace(q, k, k, *extra).lower(
-      lowering_platforms=("cuda",)).as_text()
   # Forward, dQ and dK/dV kernels (one launch or two), with an additive tile
   # too; or the single pass's one kernel, whose dQ goes out by reduce-adds
   # (with a bias the two kernels run).
@@ -1112,25 +1109,27 @@ def test_register_split_per_kernel(monkeypatch, kw, head_dim, wide):
   kw = dict(kw)
   ids = (sd((1, 256), jnp.int32),) if kw.pop("segment_ids", False) else ()
 
-  def lower(direction):
-    def call(q, k, v, *i):
-      ops, spec = spec_lib.canonicalize(q, k, v, segment_ids=(i[0], i[0]) if i else None,
-                                        **kw)
-      static = platform.Static(mosaic.default_config(spec))
-      out, lse = mosaic.forward(ops, spec, static)
-      if direction == "fwd":
-        return out
-      return mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+  by_kernel = {}
+
+  def call(q, k, v, *i):
+    # The kernels ask while they are traced: the forward's asks are those made
+    # before the backward is traced.
+    ops, spec = spec_lib.canonicalize(q, k, v, segment_ids=(i[0], i[0]) if i else None,
+                                      **kw)
+    static = platform.Static(mosaic.default_config(spec))
+    out, lse = mosaic.forward(ops, spec, static)
+    by_kernel["fwd"] = set(asked)
     asked.clear()
-    jax.jit(call).trace(q, q, q, *ids).lower(lowering_platforms=("cuda",))
-    return set(asked)
+    grads = mosaic.backward(ops, spec, static, out, lse, out, jnp.zeros_like(lse))
+    by_kernel["bwd"] = set(asked)
+    return grads
+  jax.jit(call).trace(q, q, q, *ids).lower(lowering_platforms=("cuda",))
 
   narrow = {(pipeline.REGISTERS[0], "increase"), (pipeline.REGISTERS[1], "decrease")}
   wide_split = {(pipeline.REGISTERS_WIDE[0], "increase"),
                 (pipeline.REGISTERS_WIDE[1], "decrease")}
-  assert lower("fwd") == narrow
-  # The backward's trace holds the forward's kernel too.
-  assert lower("bwd") == narrow | (wide_split if wide else set())
+  assert by_kernel["fwd"] == narrow
+  assert by_kernel["fwd"] | by_kernel["bwd"] == narrow | (wide_split if wide else set())
 
 
 def test_dropout_keys_with_offsets_and_their_fp32_halves():

@@ -25,14 +25,16 @@ def _qkv(s=1024, d=64):
 
 
 def test_causal_runs_about_half_the_kv_steps():
-  q, k, v = _qkv()
+  # Five blocks a side: every step interpreted costs time, and five already
+  # tell a triangle and a band of two diagonals from the full square.
+  q, k, v = _qkv(640)
   cfg = pallas_tpu.TpuConfig(fwd=pallas_tpu.BlockSizes(block_q=128, block_kv=128))
   full = pallas_tpu.count_kv_steps(q, k, v, config=cfg)
   causal = pallas_tpu.count_kv_steps(q, k, v, config=cfg, causal=True)
-  assert full == 64  # 8 q blocks x 8 kv blocks
-  assert causal == 36  # 1 + 2 + ... + 8: the diagonal blocks and below
+  assert full == 25  # 5 q blocks x 5 kv blocks
+  assert causal == 15  # 1 + 2 + ... + 5: the diagonal blocks and below
   window = pallas_tpu.count_kv_steps(q, k, v, config=cfg, sliding_window=(128, 0))
-  assert window == 15  # the diagonal block and the one before it
+  assert window == 9  # the diagonal block and the one before it
 
 
 def test_segments_skip_blocks():
