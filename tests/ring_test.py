@@ -153,8 +153,8 @@ FOUR = PRELUDE + textwrap.dedent("""
     # of the window or of the dropout hash moves whole probabilities, far beyond
     # bf16's tolerance; THREE checks an fp32 window with dropout in the
     # contiguous layout. Ids and a row bias in the zigzag layout: TWO, THREE and
-    # EIGHT; with them here the program took 58 s to build and run on the CI's
-    # two CPU cores against 38 s without (2026-11-29).
+    # EIGHT; with them here the program took 58 s to build and run on a
+    # two-core CPU against 38 s without (2026-11-29).
     check("zigzag", sliding_window=(20, 3), dropout_rate=0.2, dropout_seed=3,
           dtype=jnp.bfloat16)
     print("OK")
