@@ -279,17 +279,11 @@ def _as_f32(x) -> np.ndarray:
   return np.asarray(x).astype(np.float32)
 
 
-def run_platform_and_reference(fn, case: Case, *, with_lse: bool, grads: bool,
-                               may_vary=frozenset()):
-  """Returns ``(platform, reference)``, each a dict of numpy arrays. Off the
-  CPU the platform runs twice and must give the same bits, except in the
-  gradients named in ``may_vary`` (by argument name, e.g. ``"bias"``)."""
-  return run_cases(fn, [case], with_lse=with_lse, grads=grads,
-                   may_vary=[may_vary])[0]
-
-
 def run_cases(fn, cases, *, with_lse: bool, grads: bool, may_vary=None):
-  """:func:`run_platform_and_reference` of each of ``cases``, as a list.
+  """A list of ``(platform, reference)`` per case of ``cases``, each a dict of
+  fp32 numpy arrays. Off the CPU the platform runs twice and must give the
+  same bits, except in the gradients that case's entry of ``may_vary`` names
+  (by argument name, e.g. ``"bias"``).
 
   The cases run as one jitted program (and the reference's, for the cases whose
   results are not kept yet, as another). Cases of one shape share most of the
